@@ -1,0 +1,114 @@
+"""Frozen, validated configuration.
+
+Every field can be set from the environment as ``ASYNCKV_<FIELD_NAME_UPPER>``; a few
+also honour the reference connector's variable (see ``_LEGACY_ENV``). A bad value is
+refused at start-up with a message naming the variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import InvalidArgument
+
+__all__ = ["Config"]
+
+# Reference-connector variables honoured where they map one to one (the ASYNCKV_ name wins).
+_LEGACY_ENV: dict[str, str] = {
+    "bootstrap_timeout_s": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+    "waiting_timeout_s": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+    "nixl_backend": "SGLANG_DISAGGREGATION_NIXL_BACKEND",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    """Knobs of one KVManager. Defaults are safe for production and for tests here."""
+
+    host: str = "127.0.0.1"
+    """Address the control socket binds to and advertises to peers."""
+    bootstrap_timeout_s: float = 300.0
+    """Prefill: longest wait for decode's destination of a room (KVPoll.Bootstrapping)."""
+    waiting_timeout_s: float = 300.0
+    """Decode: longest wait from ``receiver.init()`` until the room concludes."""
+    http_timeout_s: float = 5.0
+    """Timeout of one bootstrap-server HTTP request."""
+    register_attempts: int = 5
+    """Prefill: attempts to register with the bootstrap server (exponential backoff)."""
+    handshake_timeout_s: float = 10.0
+    """Decode: longest wait for a prefill rank to accept our registration."""
+    send_timeout_s: float = 5.0
+    """Longest wait to hand one control message to ZMQ."""
+    host_bootstrap: bool = True
+    """Prefill: start an embedded bootstrap server when none answers at bootstrap_addr."""
+    nixl_backend: str = "UCX"
+    """NIXL backend plugin."""
+    idle_poll_s: float = 0.001
+    """Longest sleep of an idle NIXL engine thread between progress rounds."""
+    max_descs_per_xfer: int = 16384
+    """Larger requests are split into several NIXL handles in flight together."""
+    offload_min_descs: int = 65536
+    """Descriptor math for at least this many (entry, page) rows runs on a worker thread."""
+    xfer_deadline_base_s: float = 30.0
+    """Every NIXL post must finish within this many seconds plus its bytes at the rate below."""
+    xfer_deadline_min_bytes_per_s: float = 50e6
+    """Slowest transfer rate tolerated before a post is cancelled as stalled."""
+    prepped_dlists: bool = True
+    """Post KV with prepared per-peer dlists (NIXL merges runs); else coalesced descriptors."""
+    max_rooms: int = 1_000_000
+    """Upper bound on per-room table entries per manager (refused beyond)."""
+    max_early_infos: int = 65536
+    """Prefill: destinations that arrived before their sender was created, kept at most."""
+    early_info_ttl_s: float = 600.0
+    """Prefill: how long an early destination is kept before it is dropped."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s") and not value > 0:
+                raise InvalidArgument(f"config {f.name} must be > 0, got {value!r}")
+        for name in ("register_attempts", "max_descs_per_xfer", "offload_min_descs",
+                     "max_rooms", "max_early_infos"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"config {name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.host:
+            raise InvalidArgument("config host must not be empty")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Build a config from ``ASYNCKV_*`` variables (and mapped legacy ones), then overrides."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            for var in (f"ASYNCKV_{f.name.upper()}", _LEGACY_ENV.get(f.name)):
+                if var is None or var not in env:
+                    continue
+                values[f.name] = _parse(var, env[var], f.type)
+                break
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{exc} (from environment or overrides)") from None
+
+
+def _parse(var: str, raw: str, type_name: Any) -> Any:
+    text = raw.strip()
+    try:
+        if type_name in ("bool", bool):
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if type_name in ("int", int):
+            return int(text)
+        if type_name in ("float", float):
+            return float(text)
+        return text
+    except ValueError:
+        raise InvalidArgument(f"environment variable {var}={raw!r} is not a valid {type_name}") from None

@@ -1,0 +1,21 @@
+"""Pure numpy descriptor math: arrays in, arrays out, no I/O.
+
+Every kernel has a slow, obviously correct twin in ``asynckv.kernels._reference`` that
+the tests compare it with.
+"""
+
+from .pages import (
+    aux_descriptors,
+    coalesce_runs,
+    kv_page_descriptors,
+    prepped_indices,
+    validate_pages,
+)
+
+__all__ = [
+    "aux_descriptors",
+    "coalesce_runs",
+    "kv_page_descriptors",
+    "prepped_indices",
+    "validate_pages",
+]

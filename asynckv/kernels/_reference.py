@@ -1,0 +1,50 @@
+"""Slow, obviously correct twins of the kernels, for tests and benchmarks only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def coalesce_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def kv_page_descriptors(
+    src_ptrs: Sequence[int], dst_ptrs: Sequence[int], src_items: Sequence[int],
+    dst_items: Sequence[int], src_pages: Sequence[int], dst_pages: Sequence[int],
+    src_dev: int = 0, dst_dev: int = 0,
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    src: list[tuple[int, int, int]] = []
+    dst: list[tuple[int, int, int]] = []
+    runs = coalesce_runs(src_pages, dst_pages)
+    for e in range(len(src_ptrs)):
+        for s0, d0, n in runs:
+            src.append((src_ptrs[e] + s0 * src_items[e], n * src_items[e], src_dev))
+            dst.append((dst_ptrs[e] + d0 * dst_items[e], n * src_items[e], dst_dev))
+    return src, dst
+
+
+def per_page_descriptors(
+    src_ptrs: Sequence[int], dst_ptrs: Sequence[int], items: Sequence[int],
+    src_pages: Sequence[int], dst_pages: Sequence[int],
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """One descriptor per page per entry, built the way the reference connector does."""
+    src: list[tuple[int, int, int]] = []
+    dst: list[tuple[int, int, int]] = []
+    for e in range(len(src_ptrs)):
+        for s, d in zip(src_pages, dst_pages, strict=True):
+            src.append((src_ptrs[e] + s * items[e], items[e], 0))
+            dst.append((dst_ptrs[e] + d * items[e], items[e], 0))
+    return src, dst
+
+
+def prepped_indices(pages: Sequence[int], num_slots: int, num_entries: int) -> list[int]:
+    return [e * num_slots + p for e in range(num_entries) for p in pages]

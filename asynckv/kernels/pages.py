@@ -1,0 +1,118 @@
+"""Page indices to NIXL descriptors, for MHA (K and V entries) and MLA (one entry per layer).
+
+A descriptor array is ``(N, 3)`` C-contiguous ``uint64``: address, length, device id,
+the shape ``nixl_agent.get_xfer_descs`` converts without holding a Python loop.
+Entries are paired positionally: ``src_ptrs[e]`` is copied into ``dst_ptrs[e]``; the
+caller reorders ``dst_ptrs`` when the pairing is by layer id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import InvalidArgument
+
+__all__ = [
+    "aux_descriptors",
+    "coalesce_runs",
+    "kv_page_descriptors",
+    "prepped_indices",
+    "validate_pages",
+]
+
+IntArray = npt.NDArray[np.int64]
+DescArray = npt.NDArray[np.uint64]
+
+
+def validate_pages(pages: Any, num_pages: int, what: str = "page indices") -> IntArray:
+    """Return ``pages`` as a 1-D int64 array, refusing non-integers, out-of-range and duplicates."""
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got dtype {arr.dtype}")
+    out = arr.astype(np.int64, copy=False)
+    lo, hi = int(out.min()), int(out.max())
+    if lo < 0 or hi >= num_pages:
+        bad = lo if lo < 0 else hi
+        raise InvalidArgument(f"{what}: index {bad} outside the registered range [0, {num_pages})")
+    if out.size > 1:
+        sorted_pages = np.sort(out)
+        dup = sorted_pages[1:] == sorted_pages[:-1]
+        if dup.any():
+            raise InvalidArgument(f"{what}: page {int(sorted_pages[1:][dup][0])} appears more than once")
+    return out
+
+
+def coalesce_runs(src: IntArray, dst: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """Split paired page lists into maximal runs where both sides advance by exactly one.
+
+    Returns ``(src_start, dst_start, length)``; order is preserved, nothing is sorted.
+    """
+    if src.shape != dst.shape:
+        raise InvalidArgument(f"source and destination page counts differ: {src.size} != {dst.size}")
+    if src.size == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty.copy(), empty.copy()
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [src.size]))
+    return src[starts].astype(np.int64), dst[starts].astype(np.int64), (ends - starts).astype(np.int64)
+
+
+def kv_page_descriptors(
+    src_ptrs: npt.NDArray[np.uint64], dst_ptrs: npt.NDArray[np.uint64],
+    src_item_lens: npt.NDArray[np.uint64], dst_item_lens: npt.NDArray[np.uint64],
+    src_pages: IntArray, dst_pages: IntArray, src_dev: int = 0, dst_dev: int = 0,
+) -> tuple[DescArray, DescArray]:
+    """Coalesced (src, dst) descriptors copying pages of every entry, entry-major.
+
+    Each side strides by its own item length; the bytes copied per page are the source
+    item length, which must not exceed the destination's (checked).
+    """
+    if np.any(src_item_lens > dst_item_lens):
+        raise InvalidArgument("a source item is larger than its destination item")
+    s0, d0, n = coalesce_runs(src_pages, dst_pages)
+    n_entries, n_runs = len(src_ptrs), len(n)
+    src = np.empty((n_entries * n_runs, 3), dtype=np.uint64)
+    dst = np.empty((n_entries * n_runs, 3), dtype=np.uint64)
+    s_item = src_item_lens.astype(np.uint64)[:, None]
+    d_item = dst_item_lens.astype(np.uint64)[:, None]
+    src[:, 0] = (src_ptrs.astype(np.uint64)[:, None] + s_item * s0.astype(np.uint64)[None, :]).ravel()
+    dst[:, 0] = (dst_ptrs.astype(np.uint64)[:, None] + d_item * d0.astype(np.uint64)[None, :]).ravel()
+    length = (s_item * n.astype(np.uint64)[None, :]).ravel()
+    src[:, 1] = length
+    dst[:, 1] = length
+    src[:, 2] = src_dev
+    dst[:, 2] = dst_dev
+    return src, dst
+
+
+def prepped_indices(pages: IntArray, num_slots: int, num_entries: int) -> npt.NDArray[np.int32]:
+    """Flat indices into a prepared dlist laid out entry-major (``entry * num_slots + page``)."""
+    total = num_slots * num_entries
+    if total > np.iinfo(np.int32).max:
+        raise InvalidArgument(f"prepared dlist of {total} rows exceeds int32 indexing")
+    base = np.arange(num_entries, dtype=np.int64)[:, None] * num_slots
+    return (base + pages.astype(np.int64)[None, :]).astype(np.int32).ravel()
+
+
+def aux_descriptors(
+    src_ptrs: npt.NDArray[np.uint64], dst_ptrs: npt.NDArray[np.uint64],
+    item_lens: npt.NDArray[np.uint64], src_row: int, dst_row: int,
+) -> tuple[DescArray, DescArray]:
+    """One DRAM descriptor per aux buffer: row ``src_row`` into row ``dst_row``."""
+    n = len(src_ptrs)
+    items = item_lens.astype(np.uint64)
+    src = np.zeros((n, 3), dtype=np.uint64)
+    dst = np.zeros((n, 3), dtype=np.uint64)
+    src[:, 0] = src_ptrs.astype(np.uint64) + items * np.uint64(src_row)
+    dst[:, 0] = dst_ptrs.astype(np.uint64) + items * np.uint64(dst_row)
+    src[:, 1] = items
+    dst[:, 1] = items
+    return src, dst

@@ -1,0 +1,270 @@
+"""Native control protocol v1: message dataclasses and their ZMQ multipart codec.
+
+Every message is a list of frames::
+
+    frame 0   header, 8 bytes: magic b"AKVP", u16 LE protocol version, u16 LE message type
+    frame 1   body: UTF-8 JSON object of the scalar fields (sorted keys, no spaces)
+    frame 2+  binary fields, in the order the message's schema lists them
+
+Arrays travel as little-endian int32 (``<i4``); opaque bytes (NIXL agent metadata)
+as they are. Decoding validates every field's presence and type and raises
+``RemoteProtocolError``; nothing else escapes from ``decode``. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import RemoteProtocolError
+
+__all__ = [
+    "MAGIC",
+    "MAX_ROOM",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "Message",
+    "Register",
+    "RegisterResult",
+    "Status",
+    "TransferInfo",
+    "VersionMismatch",
+    "decode",
+    "encode",
+]
+
+MAGIC = b"AKVP"
+PROTOCOL_VERSION = 1
+MAX_ROOM = 2**63 - 1
+MAX_FRAMES = 8
+_HEADER = struct.Struct("<4sHH")
+
+# Field kinds: "int", "uint" (>= 0), "room", "str", "bool", "ints" (list of uint),
+# and the binary kinds "bytes" and "i32" (frames 2+).
+_BINARY = ("bytes", "i32")
+
+
+class VersionMismatch(RemoteProtocolError):
+    """The peer speaks another protocol version; ``theirs`` and ``ours`` name both."""
+
+    def __init__(self, theirs: int, msg_type: int, body: dict[str, Any] | None) -> None:
+        super().__init__(f"protocol version mismatch: peer speaks v{theirs}, we speak v{PROTOCOL_VERSION}")
+        self.theirs = theirs
+        self.ours = PROTOCOL_VERSION
+        self.msg_type = msg_type
+        self.body = body
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every control message; subclasses set TYPE and SCHEMA."""
+
+    TYPE: ClassVar[int] = 0
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Register(Message):
+    """Decode rank → prefill rank, once per (decode agent, prefill rank): who we are, where to write."""
+
+    TYPE: ClassVar[int] = 1
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("decode_id", "str"), ("endpoint", "str"), ("engine_rank", "uint"), ("tp_size", "uint"),
+        ("page_size", "uint"), ("kv_dtype", "str"), ("mem_kind", "str"), ("is_mla", "bool"),
+        ("gpu_id", "uint"), ("kv_ptrs", "ints"), ("kv_lens", "ints"), ("kv_item_lens", "ints"),
+        ("kv_layer_ids", "ints"), ("aux_ptrs", "ints"), ("aux_lens", "ints"),
+        ("aux_item_lens", "ints"), ("scratch_ptr", "uint"), ("scratch_len", "uint"),
+        ("agent_metadata", "bytes"),
+    )
+    decode_id: str
+    """Decode NIXL agent name (unique per process lifetime)."""
+    endpoint: str
+    """Decode control endpoint, ``tcp://host:port``, for replies and status."""
+    engine_rank: int
+    tp_size: int
+    page_size: int
+    kv_dtype: str
+    mem_kind: str
+    is_mla: bool
+    gpu_id: int
+    kv_ptrs: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    kv_item_lens: tuple[int, ...]
+    kv_layer_ids: tuple[int, ...]
+    aux_ptrs: tuple[int, ...]
+    aux_lens: tuple[int, ...]
+    aux_item_lens: tuple[int, ...]
+    scratch_ptr: int
+    """A small DRAM region prefill may write for the first-contact warm-up."""
+    scratch_len: int
+    agent_metadata: bytes
+    """``nixl_agent.get_agent_metadata()`` of the decode agent (opaque)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RegisterResult(Message):
+    """Prefill rank → decode: registration accepted, or refused with a reason."""
+
+    TYPE: ClassVar[int] = 2
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("prefill_id", "str"), ("decode_id", "str"), ("ok", "bool"), ("reason", "str"))
+    prefill_id: str
+    decode_id: str
+    ok: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class TransferInfo(Message):
+    """Decode → prefill, per room: the destination pages and aux row."""
+
+    TYPE: ClassVar[int] = 3
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("room", "room"), ("decode_id", "str"), ("aux_index", "int"),
+        ("required_dst_info_num", "uint"), ("dst_pages", "i32"))
+    room: int
+    decode_id: str
+    aux_index: int
+    """Destination aux row, or -1 for none."""
+    required_dst_info_num: int
+    """How many decode ranks this prefill rank must hear from before the room is ready."""
+    dst_pages: npt.NDArray[np.int32]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferInfo):
+            return NotImplemented
+        return (self.room, self.decode_id, self.aux_index, self.required_dst_info_num) == (
+            other.room, other.decode_id, other.aux_index, other.required_dst_info_num
+        ) and np.array_equal(self.dst_pages, other.dst_pages)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Status(Message):
+    """Prefill → decode: the room's terminal result from one prefill rank."""
+
+    TYPE: ClassVar[int] = 4
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("room", "room"), ("sender_rank", "uint"), ("ok", "bool"), ("reason", "str"))
+    room: int
+    sender_rank: int
+    """Unique rank of the prefill sender (distinct senders are counted, never keys)."""
+    ok: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort(Message):
+    """Decode → prefill: decode gave up on the room."""
+
+    TYPE: ClassVar[int] = 5
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("room", "room"), ("decode_id", "str"), ("reason", "str"))
+    room: int
+    decode_id: str
+    reason: str
+
+
+MESSAGE_TYPES: dict[int, type[Message]] = {
+    cls.TYPE: cls for cls in (Register, RegisterResult, TransferInfo, Status, Abort)
+}
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Encode a message into ZMQ frames."""
+    body: dict[str, Any] = {}
+    blobs: list[bytes] = []
+    for name, kind in msg.SCHEMA:
+        value = getattr(msg, name)
+        if kind == "bytes":
+            blobs.append(bytes(value))
+        elif kind == "i32":
+            blobs.append(np.ascontiguousarray(value, dtype="<i4").tobytes())
+        elif kind == "ints":
+            body[name] = [int(v) for v in value]
+        else:
+            body[name] = value
+    head = _HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.TYPE)
+    return [head, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), *blobs]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Decode ZMQ frames into a message; raises ``RemoteProtocolError`` on anything off."""
+    if not 2 <= len(frames) <= MAX_FRAMES:
+        raise RemoteProtocolError(f"expected 2..{MAX_FRAMES} frames, got {len(frames)}")
+    head = bytes(frames[0])
+    if len(head) != _HEADER.size:
+        raise RemoteProtocolError(f"header must be {_HEADER.size} bytes, got {len(head)}")
+    magic, version, msg_type = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad magic {magic!r} (foreign traffic?)")
+    body = _load_body(frames[1])
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(version, msg_type, body)
+    cls = MESSAGE_TYPES.get(msg_type)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {msg_type}")
+    blobs = frames[2:]
+    n_binary = sum(1 for _, kind in cls.SCHEMA if kind in _BINARY)
+    if len(blobs) != n_binary:
+        raise RemoteProtocolError(f"{cls.__name__}: expected {n_binary} binary frames, got {len(blobs)}")
+    values: dict[str, Any] = {}
+    blob_iter = iter(blobs)
+    for name, kind in cls.SCHEMA:
+        if kind in _BINARY:
+            values[name] = _binary(cls.__name__, name, kind, bytes(next(blob_iter)))
+        elif name not in body:
+            raise RemoteProtocolError(f"{cls.__name__}: missing field {name!r}")
+        else:
+            values[name] = _scalar(cls.__name__, name, kind, body[name])
+    return cls(**values)
+
+
+def _load_body(frame: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(bytes(frame))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RemoteProtocolError(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RemoteProtocolError("body must be a JSON object")
+    return body
+
+
+def _scalar(cls_name: str, name: str, kind: str, value: Any) -> Any:
+    def bad(expected: str) -> RemoteProtocolError:
+        return RemoteProtocolError(f"{cls_name}.{name}: expected {expected}, got {value!r:.80}")
+
+    if kind == "str":
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("a boolean")
+        return value
+    if kind == "ints":
+        if not isinstance(value, list) or not all(
+                type(v) is int and 0 <= v < 2**64 for v in value):
+            raise bad("a list of unsigned 64-bit integers")
+        return tuple(value)
+    if type(value) is not int:
+        raise bad("an integer")
+    if kind == "uint" and not 0 <= value < 2**64:
+        raise bad("an unsigned 64-bit integer")
+    if kind == "room" and not 0 <= value <= MAX_ROOM:
+        raise bad(f"a room id in [0, {MAX_ROOM}]")
+    if kind == "int" and not -(2**63) <= value < 2**63:
+        raise bad("a signed 64-bit integer")
+    return value
+
+
+def _binary(cls_name: str, name: str, kind: str, blob: bytes) -> Any:
+    if kind == "bytes":
+        return blob
+    if len(blob) % 4:
+        raise RemoteProtocolError(f"{cls_name}.{name}: {len(blob)} bytes is not a whole number of int32")
+    return np.frombuffer(blob, dtype="<i4").astype(np.int32, copy=False)

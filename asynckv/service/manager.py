@@ -1,0 +1,630 @@
+"""KVManager: one rank's agent, control socket, rooms and (optionally) bootstrap server.
+
+Everything runs on the event loop that entered the manager, except NIXL calls (on the
+engine thread) and large descriptor math (on a worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import enum
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import zmq.asyncio
+
+from ..config import Config
+from ..errors import (
+    AsyncKVError,
+    ClosedError,
+    InvalidArgument,
+    LayoutMismatch,
+    LocalProtocolError,
+    PeerUnreachable,
+    RemoteProtocolError,
+)
+from ..kernels import aux_descriptors, kv_page_descriptors, prepped_indices
+from ..layout import KVArgs
+from ..proto.bootstrap import PrefillRank
+from ..proto.messages import (
+    MAX_ROOM,
+    Abort,
+    Message,
+    Register,
+    RegisterResult,
+    Status,
+    TransferInfo,
+    VersionMismatch,
+)
+from ..proto.topology import PrefillInstance, check_compatible, check_registration
+from ..transport.control import ControlChannel
+from ..transport.engine import NixlEngine
+from .bootstrap import BootstrapClient, BootstrapServer, split_addr
+from .receiver import KVReceiver
+from .sender import KVSender
+
+__all__ = ["KVManager", "Mode"]
+
+log = logging.getLogger("asynckv.manager")
+
+SCRATCH_BYTES = 4096
+
+
+class Mode(enum.Enum):
+    """Which side of the transfer a manager serves."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclasses.dataclass(slots=True)
+class DecodePeer:
+    """Prefill's view of one registered decode rank."""
+
+    reg: Register
+    num_pages: int
+    num_aux_rows: int
+    kv_ptrs: npt.NDArray[np.uint64]
+    kv_item_lens: npt.NDArray[np.uint64]
+    aux_ptrs: npt.NDArray[np.uint64]
+    remote_dlist: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.reg.decode_id
+
+    @property
+    def endpoint(self) -> str:
+        return self.reg.endpoint
+
+
+@dataclasses.dataclass(slots=True)
+class _EarlyRoom:
+    """Prefill: control messages for a room whose sender does not exist yet."""
+
+    deadline: float
+    infos: dict[str, TransferInfo] = dataclasses.field(default_factory=dict)
+    aborted: str | None = None
+
+
+class KVManager:
+    """One rank of a prefill or decode instance. Use as ``async with KVManager(...) as mgr``."""
+
+    def __init__(self, mode: Mode, kv_args: KVArgs, *, bootstrap_addr: str | None = None,
+                 config: Config | None = None) -> None:
+        if not isinstance(mode, Mode):
+            raise InvalidArgument(f"mode must be a Mode, got {mode!r}")
+        if mode is Mode.PREFILL and bootstrap_addr is None:
+            raise InvalidArgument("a PREFILL manager needs bootstrap_addr (host:port)")
+        if bootstrap_addr is not None:
+            split_addr(bootstrap_addr)
+        self.mode = mode
+        self.kv_args = kv_args
+        self.config = config if config is not None else Config.from_env()
+        self.bootstrap_addr = bootstrap_addr
+        self.name = str(uuid.uuid4())
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.bootstrap_server: BootstrapServer | None = None
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine = NixlEngine(self.name, backend=self.config.nixl_backend, idle_poll_s=self.config.idle_poll_s)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._control: ControlChannel | None = None
+        self._http = BootstrapClient(self.config.http_timeout_s)
+        self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
+        self._reg_handles: list[Any] = []
+        self._local_dlist: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._started = False
+        self._closed = False
+        self._my_rank: PrefillRank | None = None
+        # prefill
+        self._senders: dict[int, KVSender] = {}
+        self._peers: dict[str, DecodePeer] = {}
+        self._peer_setup: dict[str, asyncio.Future[DecodePeer]] = {}
+        self._early: collections.OrderedDict[int, _EarlyRoom] = collections.OrderedDict()
+        # decode
+        self._receivers: dict[int, KVReceiver] = {}
+        self._instances: dict[str, PrefillInstance] = {}
+        self._instance_locks: dict[str, asyncio.Lock] = {}
+        self._registrations: dict[str, asyncio.Future[None]] = {}
+
+        kv_ptrs, _, kv_items = kv_args.kv_arrays()
+        self._kv_ptrs = kv_ptrs
+        self._kv_items = kv_items
+        self._aux_ptrs = np.asarray(kv_args.aux_data_ptrs, dtype=np.uint64)
+        self._aux_items = np.asarray(kv_args.aux_item_lens, dtype=np.uint64)
+        self.page_bytes = int(kv_items.sum())
+        """Bytes one page index moves across all KV entries."""
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def __aenter__(self) -> KVManager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's control endpoint (``tcp://host:port``)."""
+        return self._control.endpoint if self._control is not None else ""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise ClosedError("KVManager is not started")
+        return self._loop
+
+    @property
+    def healthy(self) -> bool:
+        """Reader task, engine thread and (prefill) bootstrap registration are all alive."""
+        return (self._started and not self._closed and self._engine.alive
+                and self._control is not None and self._control.reader_alive)
+
+    async def start(self) -> None:
+        if self._started:
+            raise LocalProtocolError("KVManager already started")
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._engine.start()
+            await self._engine.call(self._register_memory)
+            self._ctx = zmq.asyncio.Context()
+            self._control = ControlChannel(self._ctx, self.config.host, self._on_message,
+                                           self._on_version_mismatch, self.config.send_timeout_s)
+            await self._control.start()
+            if self.mode is Mode.PREFILL:
+                await self._start_prefill()
+        except BaseException:
+            await self.close()
+            raise
+        log.info("%s manager %s ready at %s", self.mode.value, self.name[:8], self.endpoint)
+
+    async def close(self) -> None:
+        """Fail every unfinished room, stop tasks, release NIXL state, deregister memory."""
+        if self._closed:
+            return
+        self._closed = True
+        for room in list(self._senders.values()):
+            room._fail(ClosedError("manager closed"))
+        for recv in list(self._receivers.values()):
+            recv._fail(ClosedError("manager closed"))
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._my_rank is not None and self.bootstrap_addr is not None:
+            await self._http.unregister(self.bootstrap_addr, self._my_rank)
+        await self._http.close()
+        if self._control is not None:
+            await self._control.close()
+        if self._ctx is not None:
+            self._ctx.term()
+        await self._engine.close(self._cleanup_agent)
+        if self.bootstrap_server is not None:
+            await self.bootstrap_server.close()
+        self._senders.clear()
+        self._receivers.clear()
+        self._peers.clear()
+        self._early.clear()
+
+    def _register_memory(self, agent: Any) -> None:
+        a = self.kv_args
+        kv = [(int(p), int(n), a.gpu_id if a.mem_kind == "VRAM" else 0, "")
+              for p, n in zip(a.kv_data_ptrs, a.kv_data_lens, strict=True)]
+        self._reg_handles.append(agent.register_memory(kv, a.mem_kind))
+        dram = [(int(p), int(n), 0, "") for p, n in zip(a.aux_data_ptrs, a.aux_data_lens, strict=True)]
+        dram.append((int(self._scratch.ctypes.data), SCRATCH_BYTES, 0, ""))
+        self._reg_handles.append(agent.register_memory(dram, "DRAM"))
+        if self.mode is Mode.PREFILL and self.config.prepped_dlists:
+            self._local_dlist = agent.prep_xfer_dlist("", self._dlist_rows(
+                self._kv_ptrs, self._kv_items, self._kv_items, a.num_pages, self._dev), a.mem_kind)
+
+    @property
+    def _dev(self) -> int:
+        return self.kv_args.gpu_id if self.kv_args.mem_kind == "VRAM" else 0
+
+    @staticmethod
+    def _dlist_rows(ptrs: npt.NDArray[np.uint64], strides: npt.NDArray[np.uint64],
+                    lengths: npt.NDArray[np.uint64], num_pages: int, dev: int) -> npt.NDArray[np.uint64]:
+        """One row per (entry, page), entry-major, as ``prepped_indices`` addresses them."""
+        pages = np.arange(num_pages, dtype=np.uint64)
+        rows = np.empty((len(ptrs) * num_pages, 3), dtype=np.uint64)
+        rows[:, 0] = (ptrs[:, None] + strides[:, None] * pages[None, :]).ravel()
+        rows[:, 1] = np.repeat(lengths, num_pages)
+        rows[:, 2] = dev
+        return rows
+
+    def _cleanup_agent(self, agent: Any) -> None:
+        """Engine thread: release dlists, drop peers, deregister memory (in that order)."""
+        for peer in self._peers.values():
+            if peer.remote_dlist is not None:
+                agent.release_dlist_handle(peer.remote_dlist)
+            try:
+                agent.remove_remote_agent(peer.name)
+            except Exception:
+                log.debug("remove_remote_agent(%s) failed", peer.name, exc_info=True)
+        if self._local_dlist is not None:
+            agent.release_dlist_handle(self._local_dlist)
+            self._local_dlist = None
+        for handle in self._reg_handles:
+            agent.deregister_memory(handle)
+        self._reg_handles.clear()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    # -- prefill ---------------------------------------------------------------------
+
+    async def _start_prefill(self) -> None:
+        addr = self.bootstrap_addr
+        if addr is None:
+            raise InvalidArgument("a PREFILL manager needs bootstrap_addr")
+        if self.config.host_bootstrap and not await self._http.is_up(addr):
+            host, port = split_addr(addr)
+            server = BootstrapServer(host, port)
+            try:
+                await server.start()
+            except OSError as exc:  # another rank of this instance won the race
+                log.debug("embedded bootstrap server not started: %s", exc)
+            else:
+                self.bootstrap_server = server
+                server.add_health_check(f"manager-{self.name[:8]}", lambda: self.healthy)
+        a = self.kv_args
+        self._my_rank = PrefillRank(
+            tp_size=a.tp_size, tp_rank=a.engine_rank, pp_size=a.pp_size, pp_rank=a.pp_rank,
+            dp_size=a.dp_size, dp_rank=a.dp_rank, endpoint=self.endpoint, agent_id=self.name,
+            page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
+        await self._http.register(addr, self._my_rank, self.config.register_attempts)
+
+    @property
+    def sender_rank(self) -> int:
+        """Unique rank of this prefill sender within its instance (counted by decode)."""
+        a = self.kv_args
+        return (a.dp_rank * a.tp_size + a.engine_rank) * a.pp_size + a.pp_rank
+
+    def sender(self, room: int) -> KVSender:
+        """Create the sender of ``room`` (prefill only)."""
+        self._check_open(Mode.PREFILL)
+        self._check_room(room, self._senders)
+        sender = KVSender(self, room)
+        self._senders[room] = sender
+        early = self._early.pop(room, None)
+        if early is not None:
+            if early.aborted is not None:
+                sender._on_abort(early.aborted)
+            for info in early.infos.values():
+                sender._on_destination(info)
+        return sender
+
+    def _check_open(self, mode: Mode) -> None:
+        if self.mode is not mode:
+            raise LocalProtocolError(f"this is a {self.mode.value} manager")
+        if not self._started or self._closed:
+            raise ClosedError("KVManager is not running (use `async with`)")
+
+    def _check_room(self, room: int, table: dict[int, Any]) -> None:
+        if type(room) is not int or not 0 <= room <= MAX_ROOM:
+            raise InvalidArgument(f"room must be an int in [0, 2**63), got {room!r}")
+        if room in table:
+            raise LocalProtocolError(f"room {room} already exists on this manager (clear() it first)")
+        if len(table) >= self.config.max_rooms:
+            raise InvalidArgument(f"too many rooms ({len(table)}); raise Config.max_rooms or clear() rooms")
+
+    def _forget_sender(self, room: int) -> None:
+        self._senders.pop(room, None)
+
+    def _on_message(self, msg: Message) -> None:
+        self.stats[f"msg_{type(msg).__name__}"] += 1
+        if self.mode is Mode.PREFILL:
+            if isinstance(msg, Register):
+                self._on_register(msg)
+            elif isinstance(msg, TransferInfo):
+                self._on_transfer_info(msg)
+            elif isinstance(msg, Abort):
+                self._on_abort(msg)
+            else:
+                self._drop("unexpected", f"prefill got {type(msg).__name__}")
+        else:
+            if isinstance(msg, RegisterResult):
+                self._on_register_result(msg)
+            elif isinstance(msg, Status):
+                self._on_status(msg)
+            else:
+                self._drop("unexpected", f"decode got {type(msg).__name__}")
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self.stats[f"dropped_{reason}"] += 1
+        log.debug("dropped control message (%s): %s", reason, detail)
+
+    def _on_version_mismatch(self, exc: VersionMismatch) -> None:
+        body = exc.body or {}
+        endpoint, decode_id = body.get("endpoint"), body.get("decode_id")
+        if self.mode is Mode.PREFILL and exc.msg_type == Register.TYPE and isinstance(endpoint, str) \
+                and isinstance(decode_id, str) and endpoint.startswith("tcp://"):
+            self._spawn(self._reply(endpoint, RegisterResult(self.name, decode_id, False, str(exc))),
+                        "asynckv-refuse-version")
+
+    async def _reply(self, endpoint: str, msg: Message) -> None:
+        if self._control is None:
+            return
+        try:
+            await self._control.send(endpoint, msg)
+        except AsyncKVError as exc:
+            log.warning("could not send %s to %s: %s", type(msg).__name__, endpoint, exc)
+
+    def _on_register(self, reg: Register) -> None:
+        if reg.decode_id in self._peers:
+            self._spawn(self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, True, "")),
+                        "asynckv-register-again")
+            return
+        if reg.decode_id in self._peer_setup:
+            return  # the setup in progress will answer
+        fut: asyncio.Future[DecodePeer] = self.loop.create_future()
+        self._peer_setup[reg.decode_id] = fut
+        self._spawn(self._add_peer(reg, fut), f"asynckv-add-peer-{reg.decode_id[:8]}")
+
+    async def _add_peer(self, reg: Register, fut: asyncio.Future[DecodePeer]) -> None:
+        try:
+            check_registration(self.kv_args, reg)
+            peer = DecodePeer(
+                reg=reg,
+                num_pages=min(n // i for n, i in zip(reg.kv_lens, reg.kv_item_lens, strict=True)),
+                num_aux_rows=min((n // i for n, i in zip(reg.aux_lens, reg.aux_item_lens, strict=True)),
+                                 default=0),
+                kv_ptrs=np.asarray(reg.kv_ptrs, dtype=np.uint64),
+                kv_item_lens=np.asarray(reg.kv_item_lens, dtype=np.uint64),
+                aux_ptrs=np.asarray(reg.aux_ptrs, dtype=np.uint64))
+            rows = None
+            if self.config.prepped_dlists:
+                rows = self._dlist_rows(peer.kv_ptrs, peer.kv_item_lens, self._kv_items, peer.num_pages,
+                                        reg.gpu_id if reg.mem_kind == "VRAM" else 0)
+            peer.remote_dlist = await self._engine.call(self._connect_peer, reg, rows)
+            await self._warm_up(peer)
+        except AsyncKVError as exc:
+            self._peer_setup.pop(reg.decode_id, None)
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: the refusal is reported to decode below
+            self.stats["peers_refused"] += 1
+            log.warning("refused decode peer %s at %s: %s", reg.decode_id[:8], reg.endpoint, exc)
+            await self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, False, str(exc)))
+            return
+        self._peer_setup.pop(reg.decode_id, None)
+        self._peers[reg.decode_id] = peer
+        fut.set_result(peer)
+        self.stats["peers_added"] += 1
+        await self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, True, ""))
+
+    def _connect_peer(self, agent: Any, reg: Register, rows: npt.NDArray[np.uint64] | None) -> Any:
+        """Engine thread: import the peer's metadata and prepare its destination dlist."""
+        name = agent.add_remote_agent(reg.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != reg.decode_id:
+            agent.remove_remote_agent(name)
+            raise RemoteProtocolError(f"agent metadata names {name!r}, registration says {reg.decode_id!r}")
+        if rows is None:
+            return None
+        return agent.prep_xfer_dlist(name, rows, reg.mem_kind)
+
+    async def _warm_up(self, peer: DecodePeer) -> None:
+        """A tiny WRITE into the peer's scratch area absorbs connection wire-up (15-40 ms)."""
+        n = min(64, peer.reg.scratch_len, SCRATCH_BYTES)
+        src = np.array([[self._scratch.ctypes.data, n, 0]], dtype=np.uint64)
+        dst = np.array([[peer.reg.scratch_ptr, n, 0]], dtype=np.uint64)
+
+        def build(agent: Any) -> list[Any]:
+            return [agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"),
+                                          agent.get_xfer_descs(dst, "DRAM"), peer.name)]
+
+        await self._engine.post(build, timeout_s=self.config.handshake_timeout_s, what="warm-up")
+
+    def _on_transfer_info(self, info: TransferInfo) -> None:
+        sender = self._senders.get(info.room)
+        if sender is not None:
+            sender._on_destination(info)
+            return
+        early = self._early.get(info.room)
+        if early is None:
+            self._expire_early()
+            if len(self._early) >= self.config.max_early_infos:
+                self._drop("early_full", f"room {info.room}: too many destinations without a sender")
+                return
+            early = _EarlyRoom(self.loop.time() + self.config.early_info_ttl_s)
+            self._early[info.room] = early
+        early.infos[info.decode_id] = info
+
+    def _on_abort(self, msg: Abort) -> None:
+        sender = self._senders.get(msg.room)
+        if sender is not None:
+            sender._on_abort(msg.reason)
+            return
+        early = self._early.get(msg.room)
+        if early is not None:
+            early.aborted = msg.reason
+
+    def _expire_early(self) -> None:
+        now = self.loop.time()
+        while self._early:
+            room, early = next(iter(self._early.items()))
+            if early.deadline > now:
+                break
+            del self._early[room]
+            self.stats["early_expired"] += 1
+
+    def peer(self, decode_id: str) -> DecodePeer | None:
+        return self._peers.get(decode_id)
+
+    # data plane entry points used by KVSender
+
+    def build_kv(self, peer: DecodePeer, src_pages: npt.NDArray[np.int64],
+                 dst_pages: npt.NDArray[np.int64]) -> Callable[[Any], list[Any]]:
+        """Descriptor math for one chunk to one peer (pure numpy; safe on a worker thread).
+
+        Returns the function the engine thread runs to create the chunk's handles, at most
+        ``max_descs_per_xfer`` rows each, so huge requests have several handles in flight.
+        """
+        limit = self.config.max_descs_per_xfer
+        if self.config.prepped_dlists:
+            src_idx = prepped_indices(src_pages, self.kv_args.num_pages, self.kv_args.num_entries)
+            dst_idx = prepped_indices(dst_pages, peer.num_pages, self.kv_args.num_entries)
+            local, remote = self._local_dlist, peer.remote_dlist
+
+            def build_prepped(agent: Any) -> list[Any]:
+                return [agent.make_prepped_xfer("WRITE", local, src_idx[i:i + limit], remote, dst_idx[i:i + limit])
+                        for i in range(0, len(src_idx), limit)]
+
+            return build_prepped
+        src, dst = kv_page_descriptors(self._kv_ptrs, peer.kv_ptrs, self._kv_items, peer.kv_item_lens,
+                                       src_pages, dst_pages, self._dev,
+                                       peer.reg.gpu_id if peer.reg.mem_kind == "VRAM" else 0)
+        kind, remote_kind = self.kv_args.mem_kind, peer.reg.mem_kind
+
+        def build_descs(agent: Any) -> list[Any]:
+            return [agent.initialize_xfer("WRITE", agent.get_xfer_descs(src[i:i + limit], kind),
+                                          agent.get_xfer_descs(dst[i:i + limit], remote_kind), peer.name)
+                    for i in range(0, len(src), limit)]
+
+        return build_descs
+
+    def post(self, build: Callable[[Any], list[Any]], nbytes: int, what: str) -> asyncio.Future[Any]:
+        """Hand a chunk's handles to the engine; the future resolves once all landed."""
+        self.stats["kv_bytes"] += nbytes
+        self.stats["kv_posts"] += 1
+        return self._engine.post(build, timeout_s=self._deadline_for(nbytes), what=what)
+
+    def post_aux(self, peer: DecodePeer, src_row: int, dst_row: int, what: str) -> asyncio.Future[Any]:
+        src, dst = aux_descriptors(self._aux_ptrs, peer.aux_ptrs, self._aux_items, src_row, dst_row)
+
+        def build(agent: Any) -> list[Any]:
+            return [agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"),
+                                          agent.get_xfer_descs(dst, "DRAM"), peer.name)]
+
+        self.stats["aux_posts"] += 1
+        return self._engine.post(build, timeout_s=self._deadline_for(int(self._aux_items.sum())), what=what)
+
+    def _deadline_for(self, nbytes: int) -> float:
+        return self.config.xfer_deadline_base_s + nbytes / self.config.xfer_deadline_min_bytes_per_s
+
+    async def send_status(self, endpoint: str, room: int, ok: bool, reason: str) -> None:
+        await self._reply(endpoint, Status(room, self.sender_rank, ok, reason))
+
+    # -- decode ---------------------------------------------------------------------
+
+    def receiver(self, bootstrap_addr: str, room: int) -> KVReceiver:
+        """Create the receiver of ``room``, served by the prefill at ``bootstrap_addr`` (decode only)."""
+        self._check_open(Mode.DECODE)
+        split_addr(bootstrap_addr)
+        self._check_room(room, self._receivers)
+        recv = KVReceiver(self, bootstrap_addr, room)
+        self._receivers[room] = recv
+        return recv
+
+    def _forget_receiver(self, room: int) -> None:
+        self._receivers.pop(room, None)
+
+    async def prefill_instance(self, addr: str) -> PrefillInstance:
+        """The topology of the prefill at ``addr``, fetched once and cached."""
+        inst = self._instances.get(addr)
+        if inst is not None:
+            return inst
+        lock = self._instance_locks.setdefault(addr, asyncio.Lock())
+        async with lock:
+            inst = self._instances.get(addr)
+            if inst is None:
+                inst = await self._http.fetch_instance(addr, self.config.handshake_timeout_s)
+                a = self.kv_args
+                check_compatible(inst, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
+                self._instances[addr] = inst
+        return inst
+
+    async def ensure_registered(self, rank: PrefillRank) -> None:
+        """Register with a prefill rank (once per incarnation); raises if it refuses."""
+        fut = self._registrations.get(rank.agent_id)
+        if fut is None:
+            fut = self.loop.create_future()
+            self._registrations[rank.agent_id] = fut
+            try:
+                if self._control is None:
+                    raise ClosedError("manager closed")
+                await self._control.send(rank.endpoint, self._register_message())
+            except AsyncKVError as exc:
+                self._registrations.pop(rank.agent_id, None)
+                fut.set_exception(exc)
+                fut.exception()
+                raise
+            self.loop.call_later(self.config.handshake_timeout_s, self._registration_timeout, rank)
+        await asyncio.shield(fut)
+
+    def _registration_timeout(self, rank: PrefillRank) -> None:
+        fut = self._registrations.get(rank.agent_id)
+        if fut is not None and not fut.done():
+            del self._registrations[rank.agent_id]
+            fut.set_exception(PeerUnreachable(
+                f"prefill rank tp={rank.tp_rank} at {rank.endpoint} did not answer registration "
+                f"within {self.config.handshake_timeout_s:.1f}s"))
+            fut.exception()
+
+    def _register_message(self) -> Register:
+        a = self.kv_args
+        metadata = self._engine.agent.get_agent_metadata()  # short, GIL-held call; safe off-thread
+        return Register(
+            decode_id=self.name, endpoint=self.endpoint, engine_rank=a.engine_rank, tp_size=a.tp_size,
+            page_size=a.page_size, kv_dtype=a.kv_dtype, mem_kind=a.mem_kind, is_mla=a.is_mla,
+            gpu_id=a.gpu_id, kv_ptrs=tuple(int(x) for x in a.kv_data_ptrs),
+            kv_lens=tuple(int(x) for x in a.kv_data_lens), kv_item_lens=tuple(int(x) for x in a.kv_item_lens),
+            kv_layer_ids=a.layer_ids, aux_ptrs=tuple(int(x) for x in a.aux_data_ptrs),
+            aux_lens=tuple(int(x) for x in a.aux_data_lens), aux_item_lens=tuple(int(x) for x in a.aux_item_lens),
+            scratch_ptr=int(self._scratch.ctypes.data), scratch_len=SCRATCH_BYTES,
+            agent_metadata=bytes(metadata))
+
+    def _on_register_result(self, msg: RegisterResult) -> None:
+        fut = self._registrations.get(msg.prefill_id)
+        if msg.decode_id != self.name or fut is None or fut.done():
+            self._drop("stale", f"registration result from {msg.prefill_id[:8]}")
+            return
+        if msg.ok:
+            fut.set_result(None)
+        else:
+            del self._registrations[msg.prefill_id]
+            fut.set_exception(LayoutMismatch(f"prefill refused registration: {msg.reason}"))
+            fut.exception()
+
+    def _on_status(self, msg: Status) -> None:
+        recv = self._receivers.get(msg.room)
+        if recv is None:
+            self._drop("unknown_room", f"status for room {msg.room}")
+            return
+        recv._on_status(msg)
+
+    async def send_control(self, endpoint: str, msg: Message) -> None:
+        if self._control is None:
+            raise ClosedError("manager closed")
+        await self._control.send(endpoint, msg)
+
+    # -- introspection ----------------------------------------------------------------
+
+    def room_counts(self) -> dict[str, int]:
+        """Per-room table sizes; all zero once every room was cleared."""
+        return {"senders": len(self._senders), "receivers": len(self._receivers),
+                "early_rooms": len(self._early), "registrations_pending": sum(
+                    1 for f in self._registrations.values() if not f.done())}
+
+    def __repr__(self) -> str:
+        return (f"<KVManager {self.mode.value} {self.name[:8]} at {self.endpoint or '-'} "
+                f"senders={len(self._senders)} receivers={len(self._receivers)}>")

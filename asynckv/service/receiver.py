@@ -1,0 +1,173 @@
+"""KVReceiver: the decode side of one room."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import Aborted, AsyncKVError, InvalidArgument, LocalProtocolError, TransferFailed, WaitingTimeout
+from ..kernels import validate_pages
+from ..proto.messages import Abort, Status, TransferInfo
+from ..proto.states import Event, KVPoll, RoomState, Side
+from ..proto.topology import TargetPlan, plan_targets
+
+if TYPE_CHECKING:
+    from .manager import KVManager
+
+__all__ = ["KVReceiver"]
+
+log = logging.getLogger("asynckv.receiver")
+
+
+class KVReceiver:
+    """Receives one room's KV pages into pages decode pre-allocated.
+
+    Lifecycle: ``await init(pages, aux_index)`` → ``await wait()`` → ``clear()``.
+    ``async with mgr.receiver(addr, room) as r:`` aborts on exit if the room is unfinished.
+    """
+
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, room: int) -> None:
+        self._mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.room = room
+        self._state = RoomState(Side.RECEIVER)
+        self._loop = mgr.loop
+        self._done: asyncio.Future[KVPoll] = self._loop.create_future()
+        self._plan: TargetPlan | None = None
+        self._responses: set[int] = set()
+        self._initialized = False
+        self._aborted_sent = False
+        self._cleared = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- public --------------------------------------------------------------------
+
+    def poll(self) -> KVPoll:
+        """Current state, without blocking."""
+        return self._state.state
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._state.reason
+
+    def failure_exception(self) -> BaseException | None:
+        """The exception that failed the room, or None."""
+        return self._state.exception
+
+    async def init(self, page_indices: Any, aux_index: int = -1) -> KVPoll:
+        """Send the destination pages (and aux row, -1 for none) to the prefill rank(s).
+
+        Invalid indices raise ``InvalidArgument``; a prefill that cannot be reached or
+        refuses us fails the room (the return value and ``wait()`` say Failed, with a reason).
+        """
+        if self._initialized:
+            raise LocalProtocolError(f"room {self.room}: init() called twice")
+        if self._state.done:
+            return self._state.state
+        a = self._mgr.kv_args
+        pages = validate_pages(page_indices, a.num_pages, "decode page indices")
+        if aux_index != -1 and not 0 <= aux_index < a.num_aux_rows:
+            raise InvalidArgument(f"aux_index {aux_index} outside the registered aux rows [0, {a.num_aux_rows})")
+        self._initialized = True
+        self._timer = self._loop.call_later(self._mgr.config.waiting_timeout_s, self._on_waiting_timeout)
+        try:
+            instance = await self._mgr.prefill_instance(self.bootstrap_addr)
+            plan = plan_targets(instance, room=self.room, tp_size=a.tp_size, engine_rank=a.engine_rank,
+                                pp_size=a.pp_size)
+            self._plan = plan
+            for rank in plan.ranks:
+                await self._mgr.ensure_registered(rank)
+            dst = pages.astype(np.int32)
+            for rank in plan.ranks:
+                if self._state.done:
+                    break
+                await self._mgr.send_control(rank.endpoint, TransferInfo(
+                    self.room, self._mgr.name, int(aux_index), plan.required_dst_info_num, dst))
+        except AsyncKVError as exc:
+            self._fail(exc)
+            return self._state.state
+        if not self._state.done:
+            self._state.apply(Event.DESTINATION_SENT)
+        return self._state.state
+
+    async def wait(self, timeout: float | None = None) -> KVPoll:
+        """Wait for the outcome: Success or Failed (never raises for a failed transfer).
+
+        Cancelling the waiting task does not abort the room; ``abort()`` does.
+        """
+        return await asyncio.wait_for(asyncio.shield(self._done), timeout)
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        """Fail the room and tell every prefill rank involved."""
+        self._fail(Aborted(reason))
+
+    def clear(self) -> None:
+        """Drop every per-room structure; aborts first if the room is still running."""
+        if self._cleared:
+            return
+        if not self._state.done:
+            self.abort("cleared before completion")
+        self._cleared = True
+        self._cancel_timer()
+        self._responses.clear()
+        self._mgr._forget_receiver(self.room)
+
+    async def __aenter__(self) -> KVReceiver:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._state.done:
+            self.abort("receiver context exited before completion")
+
+    def __repr__(self) -> str:
+        need = self._plan.required_responses if self._plan else "?"
+        return (f"<KVReceiver room={self.room} {self._state.state.name} "
+                f"{len(self._responses)}/{need} senders from {self.bootstrap_addr}>")
+
+    # -- driven by the manager ----------------------------------------------------------
+
+    def _on_status(self, msg: Status) -> None:
+        if self._state.done or self._plan is None:
+            self._mgr._drop("late_status", f"room {self.room} status in {self._state.state.name}")
+            return
+        if not msg.ok:
+            self._fail(TransferFailed(f"prefill rank {msg.sender_rank}: {msg.reason}"), notify=False)
+            return
+        self._responses.add(msg.sender_rank)
+        if len(self._responses) >= self._plan.required_responses and self._state.state == KVPoll.WaitingForInput:
+            self._state.apply(Event.TRANSFER_COMPLETED)
+            self._cancel_timer()
+            if not self._done.done():
+                self._done.set_result(self._state.state)
+
+    def _on_waiting_timeout(self) -> None:
+        self._timer = None
+        self._fail(WaitingTimeout(f"room {self.room}: no result from prefill {self.bootstrap_addr} after "
+                                  f"{self._mgr.config.waiting_timeout_s:.1f}s in {self._state.state.name}"))
+
+    def _fail(self, exc: BaseException, notify: bool = True) -> None:
+        if not self._state.fail(exc):
+            return
+        log.info("room %d failed: %s", self.room, self._state.reason)
+        self._cancel_timer()
+        if not self._done.done():
+            self._done.set_result(self._state.state)
+        if notify and self._plan is not None and not self._aborted_sent and not self._mgr._closed:
+            self._aborted_sent = True
+            msg = Abort(self.room, self._mgr.name, self._state.reason or "failed")
+            for rank in self._plan.ranks:
+                self._mgr._spawn(self._send_abort(rank.endpoint, msg), f"asynckv-abort-{self.room}")
+
+    async def _send_abort(self, endpoint: str, msg: Abort) -> None:
+        try:
+            await self._mgr.send_control(endpoint, msg)
+        except AsyncKVError as exc:
+            log.warning("room %d: could not send abort to %s: %s", self.room, endpoint, exc)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

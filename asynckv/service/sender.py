@@ -1,0 +1,263 @@
+"""KVSender: the prefill side of one room."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import (
+    Aborted,
+    AsyncKVError,
+    BootstrapTimeout,
+    InvalidArgument,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+from ..kernels import validate_pages
+from ..proto.messages import TransferInfo
+from ..proto.states import Event, KVPoll, RoomState, Side
+
+if TYPE_CHECKING:
+    from .manager import DecodePeer, KVManager
+
+__all__ = ["KVSender"]
+
+log = logging.getLogger("asynckv.sender")
+
+
+class KVSender:
+    """Sends one room's KV pages (in chunks) and aux row to the decode rank(s) that asked.
+
+    Lifecycle: ``await wait_ready()`` → ``init(num_pages, aux_index)`` → ``await send(pages)``
+    per chunk (the last chunk is the one that reaches ``num_pages``) → ``await wait()`` →
+    ``clear()``.
+    """
+
+    def __init__(self, mgr: KVManager, room: int) -> None:
+        self._mgr = mgr
+        self.room = room
+        self._state = RoomState(Side.SENDER)
+        self._loop = mgr.loop
+        self._done: asyncio.Future[KVPoll] = self._loop.create_future()
+        self._ready: asyncio.Future[KVPoll] = self._loop.create_future()
+        self._infos: dict[str, TransferInfo] = {}
+        self._required: int | None = None
+        self._num_pages: int | None = None
+        self._aux_index = -1
+        self._cursor = 0
+        self._last_posted = False
+        self._posts: set[asyncio.Future[Any]] = set()
+        self._concluding = False
+        self._cleared = False
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(
+            mgr.config.bootstrap_timeout_s, self._on_bootstrap_timeout)
+
+    # -- public --------------------------------------------------------------------
+
+    def poll(self) -> KVPoll:
+        """Current state, without blocking."""
+        return self._state.state
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._state.reason
+
+    def failure_exception(self) -> BaseException | None:
+        """The exception that failed the room, or None."""
+        return self._state.exception
+
+    async def wait_ready(self, timeout: float | None = None) -> KVPoll:
+        """Wait until decode's destination is known (WaitingForInput) or the room failed."""
+        return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+
+    def init(self, num_pages: int, aux_index: int = -1) -> None:
+        """Declare how many pages the room sends in total and which aux row carries its metadata."""
+        if self._num_pages is not None:
+            raise LocalProtocolError(f"room {self.room}: init() called twice")
+        if type(num_pages) is not int or num_pages < 0:
+            raise InvalidArgument(f"num_pages must be an int >= 0, got {num_pages!r}")
+        rows = self._mgr.kv_args.num_aux_rows
+        if aux_index != -1 and not 0 <= aux_index < rows:
+            raise InvalidArgument(f"aux_index {aux_index} outside the registered aux rows [0, {rows})")
+        self._num_pages = num_pages
+        self._aux_index = int(aux_index)
+        if self._state.state == KVPoll.WaitingForInput:
+            self._check_destinations()
+
+    async def send(self, page_indices: Any) -> None:
+        """Post one chunk: prefill page indices, the next slice of decode's destination.
+
+        Returns once the chunk is handed to the data plane; ``wait()`` reports the outcome.
+        A room that already failed ignores further chunks.
+        """
+        if self._state.state == KVPoll.Failed:
+            return
+        if self._num_pages is None:
+            raise LocalProtocolError(f"room {self.room}: send() before init()")
+        if self._state.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            raise LocalProtocolError(f"room {self.room}: send() in state {self._state.state.name}")
+        if self._last_posted:
+            raise LocalProtocolError(f"room {self.room}: the last chunk was already sent")
+        pages = validate_pages(page_indices, self._mgr.kv_args.num_pages, "prefill page indices")
+        n = len(pages)
+        if self._cursor + n > self._num_pages:
+            raise InvalidArgument(f"room {self.room}: chunk of {n} pages overruns num_pages={self._num_pages} "
+                                  f"(already sent {self._cursor})")
+        start = self._cursor
+        self._cursor += n
+        is_last = self._cursor == self._num_pages
+        self._last_posted = is_last
+        self._state.apply(Event.CHUNK_POSTED)
+        try:
+            for name, info in self._infos.items():
+                peer = self._mgr.peer(name)
+                if peer is None:
+                    raise RemoteProtocolError(f"decode peer {name[:8]} is no longer registered")
+                if n:
+                    await self._post_kv(peer, pages, info.dst_pages[start:start + n].astype(np.int64), start)
+                if is_last and self._aux_index >= 0 and info.aux_index >= 0:
+                    self._track(self._mgr.post_aux(peer, self._aux_index, info.aux_index,
+                                                   f"room {self.room} aux"))
+        except AsyncKVError as exc:
+            self._fail(exc)
+            return
+        if is_last:
+            self._maybe_conclude()
+
+    async def wait(self, timeout: float | None = None) -> KVPoll:
+        """Wait for the room's outcome: Success or Failed (never raises for a failed transfer).
+
+        Cancelling the waiting task does not abort the room.
+        """
+        return await asyncio.wait_for(asyncio.shield(self._done), timeout)
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        """Fail the room and tell decode at once."""
+        self._fail(Aborted(reason))
+
+    def clear(self) -> None:
+        """Drop every per-room structure; aborts the room first if it is still running."""
+        if self._cleared:
+            return
+        if not self._state.done:
+            self.abort("cleared before completion")
+        self._cleared = True
+        self._cancel_timer()
+        self._infos.clear()
+        self._mgr._forget_sender(self.room)
+
+    def __repr__(self) -> str:
+        total = "?" if self._num_pages is None else self._num_pages
+        return f"<KVSender room={self.room} {self._state.state.name} {self._cursor}/{total} pages>"
+
+    # -- driven by the manager ----------------------------------------------------------
+
+    def _on_destination(self, info: TransferInfo) -> None:
+        if self._state.done or self._state.state != KVPoll.Bootstrapping:
+            self._mgr._drop("late_info", f"room {self.room} destination in {self._state.state.name}")
+            return
+        peer = self._mgr.peer(info.decode_id)
+        if peer is None:
+            self._mgr._drop("unknown_peer", f"room {self.room} from unregistered {info.decode_id[:8]}")
+            return
+        try:
+            validate_pages(info.dst_pages, peer.num_pages, "decode destination pages")
+            if info.aux_index != -1 and not 0 <= info.aux_index < peer.num_aux_rows:
+                raise InvalidArgument(f"decode aux_index {info.aux_index} outside [0, {peer.num_aux_rows})")
+            if info.required_dst_info_num < 1:
+                raise InvalidArgument("required_dst_info_num must be >= 1")
+        except InvalidArgument as exc:
+            self._infos[info.decode_id] = info  # so the failure reaches that decode
+            self._fail(RemoteProtocolError(f"room {self.room}: {exc}"))
+            return
+        self._infos[info.decode_id] = info
+        self._required = info.required_dst_info_num
+        if len(self._infos) >= self._required:
+            self._state.apply(Event.DESTINATION_RECEIVED)
+            self._cancel_timer()
+            if self._num_pages is not None:
+                self._check_destinations()
+            if not self._ready.done():
+                self._ready.set_result(self._state.state)
+
+    def _check_destinations(self) -> None:
+        for info in self._infos.values():
+            if len(info.dst_pages) != self._num_pages:
+                self._fail(InvalidArgument(
+                    f"room {self.room}: decode expects {len(info.dst_pages)} pages, prefill will send "
+                    f"{self._num_pages}"))
+                return
+
+    def _on_abort(self, reason: str) -> None:
+        self._fail(Aborted(f"aborted by decode: {reason}"), notify=False)
+
+    def _on_bootstrap_timeout(self) -> None:
+        self._timer = None
+        if self._state.state == KVPoll.Bootstrapping:
+            self._fail(BootstrapTimeout(
+                f"room {self.room}: no destination from decode after {self._mgr.config.bootstrap_timeout_s:.1f}s "
+                f"({len(self._infos)}/{self._required or 1} decode ranks)"))
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _post_kv(self, peer: DecodePeer, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
+                       start: int) -> None:
+        mgr = self._mgr
+        if len(src) * mgr.kv_args.num_entries >= mgr.config.offload_min_descs:
+            build = await asyncio.to_thread(mgr.build_kv, peer, src, dst)
+        else:
+            build = mgr.build_kv(peer, src, dst)
+        if self._state.done:
+            return  # failed or aborted while the descriptors were being built
+        self._track(mgr.post(build, len(src) * mgr.page_bytes,
+                             f"room {self.room} pages {start}..{start + len(src)}"))
+
+    def _track(self, fut: asyncio.Future[Any]) -> None:
+        self._posts.add(fut)
+        fut.add_done_callback(self._post_done)
+
+    def _post_done(self, fut: asyncio.Future[Any]) -> None:
+        self._posts.discard(fut)
+        exc = fut.exception()
+        if exc is not None:
+            self._fail(exc)
+            return
+        self._maybe_conclude()
+
+    def _maybe_conclude(self) -> None:
+        if self._last_posted and not self._posts and not self._state.done and not self._concluding:
+            self._concluding = True
+            self._state.apply(Event.TRANSFER_COMPLETED)
+            self._finish()
+            self._notify(True, "")
+
+    def _fail(self, exc: BaseException, notify: bool = True) -> None:
+        if not self._state.fail(exc):
+            return
+        log.info("room %d failed: %s", self.room, self._state.reason)
+        self._cancel_timer()
+        self._finish()
+        if notify:
+            self._notify(False, self._state.reason or "failed")
+
+    def _finish(self) -> None:
+        if not self._ready.done():
+            self._ready.set_result(self._state.state)
+        if not self._done.done():
+            self._done.set_result(self._state.state)
+
+    def _notify(self, ok: bool, reason: str) -> None:
+        peers = (self._mgr.peer(name) for name in self._infos)
+        for endpoint in {peer.endpoint for peer in peers if peer is not None}:
+            if not self._mgr._closed:
+                self._mgr._spawn(self._mgr.send_status(endpoint, self.room, ok, reason),
+                                 f"asynckv-status-{self.room}")
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
