@@ -38,8 +38,8 @@ class Config:
     """Timeout of one bootstrap-server HTTP request."""
     register_attempts: int = 5
     """Prefill: attempts to register with the bootstrap server (exponential backoff)."""
-    handshake_timeout_s: float = 10.0
-    """Decode: longest wait for a prefill rank to accept our registration."""
+    handshake_timeout_s: float = 30.0
+    """Decode: longest wait for a prefill instance to be fully registered and to accept us."""
     send_timeout_s: float = 5.0
     """Longest wait to hand one control message to ZMQ."""
     host_bootstrap: bool = True

@@ -276,8 +276,9 @@ class KVManager:
         addr = self.bootstrap_addr
         if addr is None:
             raise InvalidArgument("a PREFILL manager needs bootstrap_addr")
-        if self.config.host_bootstrap and not await self._http.is_up(addr):
-            host, port = split_addr(addr)
+        host, port = split_addr(addr)
+        # Port 0 asks for an embedded server on a free port (tests, single-instance demos).
+        if port == 0 or (self.config.host_bootstrap and not await self._http.is_up(addr)):
             server = BootstrapServer(host, port)
             try:
                 await server.start()
@@ -285,6 +286,7 @@ class KVManager:
                 log.debug("embedded bootstrap server not started: %s", exc)
             else:
                 self.bootstrap_server = server
+                self.bootstrap_addr = addr = server.addr
                 server.add_health_check(f"manager-{self.name[:8]}", lambda: self.healthy)
         a = self.kv_args
         self._my_rank = PrefillRank(

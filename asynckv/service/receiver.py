@@ -91,6 +91,7 @@ class KVReceiver:
             return self._state.state
         if not self._state.done:
             self._state.apply(Event.DESTINATION_SENT)
+            self._maybe_complete()  # the status may have overtaken the end of init()
         return self._state.state
 
     async def wait(self, timeout: float | None = None) -> KVPoll:
@@ -137,7 +138,11 @@ class KVReceiver:
             self._fail(TransferFailed(f"prefill rank {msg.sender_rank}: {msg.reason}"), notify=False)
             return
         self._responses.add(msg.sender_rank)
-        if len(self._responses) >= self._plan.required_responses and self._state.state == KVPoll.WaitingForInput:
+        self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        if (self._plan is not None and len(self._responses) >= self._plan.required_responses
+                and self._state.state == KVPoll.WaitingForInput):
             self._state.apply(Event.TRANSFER_COMPLETED)
             self._cancel_timer()
             if not self._done.done():

@@ -33,6 +33,7 @@ __all__ = ["NixlEngine", "map_nixl_error"]
 log = logging.getLogger("asynckv.engine")
 
 _MIN_IDLE_WAIT_S = 20e-6
+_MAX_BUSY_WAIT_S = 250e-6
 
 
 def map_nixl_error(exc: BaseException, what: str) -> BaseException:
@@ -220,9 +221,15 @@ class NixlEngine:
                     self._release(agent, post)
                     loop.call_soon_threadsafe(self._deliver, [(post.fut, None, ClosedError("engine closed"))])
                 return
-            if in_flight or done:
+            if done:
                 idle_wait = _MIN_IDLE_WAIT_S
-                time.sleep(0)  # yield the GIL; never spin in pure Python
+                time.sleep(0)  # progress was made: go again at once, but yield the GIL
+            elif in_flight:
+                # Waiting on transfers: back off a little so a spinning poller does not take
+                # the CPU that the copy (CMA runs in the kernel) and the peer need.
+                self._wake.wait(idle_wait)
+                self._wake.clear()
+                idle_wait = min(idle_wait * 2, _MAX_BUSY_WAIT_S)
             else:
                 self._wake.wait(idle_wait)
                 self._wake.clear()

@@ -1,0 +1,94 @@
+"""Command line: ``asynckv demo | bootstrap-server`` (also ``python -m asynckv``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import DemoSpec, run_demo
+
+    spec = DemoSpec(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, page_size=args.page_size,
+                    mla=args.mla, requests=args.requests, min_pages=args.min_pages, max_pages=args.max_pages,
+                    chunk_pages=args.chunk_pages, inflight=args.inflight, seed=args.seed)
+    return run_demo(spec)
+
+
+def _bootstrap_server(args: argparse.Namespace) -> int:
+    from .service.bootstrap import BootstrapServer
+
+    async def serve() -> None:
+        async with BootstrapServer(args.host, args.port) as server:
+            print(f"asynckv bootstrap server on http://{server.addr} (Ctrl-C to stop)", flush=True)
+            await asyncio.Event().wait()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from .demo import run_worker
+
+    return run_worker(args.role, args.spec)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asynckv", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="move real KV pages between a prefill and a decode process and verify them")
+    demo.add_argument("--mla", action="store_true", help="one latent buffer per layer instead of K and V")
+    demo.add_argument("--layers", type=_positive, default=32)
+    demo.add_argument("--kv-heads", type=_positive, default=8)
+    demo.add_argument("--head-dim", type=_positive, default=128)
+    demo.add_argument("--page-size", type=_positive, default=16, help="tokens per page")
+    demo.add_argument("--requests", type=_positive, default=64)
+    demo.add_argument("--min-pages", type=_positive, default=1)
+    demo.add_argument("--max-pages", type=_positive, default=64)
+    demo.add_argument("--chunk-pages", type=_positive, default=16, help="pages per chunked-prefill chunk")
+    demo.add_argument("--inflight", type=_positive, default=8, help="requests in flight at once")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo)
+
+    boot = sub.add_parser("bootstrap-server", help="run a standalone bootstrap server")
+    boot.add_argument("--host", default="127.0.0.1")
+    boot.add_argument("--port", type=int, default=8998)
+    boot.set_defaults(func=_bootstrap_server)
+
+    worker = sub.add_parser("_worker", help=argparse.SUPPRESS)
+    worker.add_argument("role", choices=["prefill", "decode"])
+    worker.add_argument("spec")
+    worker.set_defaults(func=_worker)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * args.verbose
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "demo" and args.min_pages > args.max_pages:
+        print("asynckv demo: --min-pages must be <= --max-pages", file=sys.stderr)
+        return 2
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

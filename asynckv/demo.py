@@ -1,0 +1,249 @@
+"""``asynckv demo``: a bootstrap server, a prefill process and a decode process on 127.0.0.1.
+
+The prefill process fills the pages of each request with a pattern keyed by (room, entry,
+page position), sends them in chunks; the decode process receives them into shuffled
+pre-allocated pages and checks every byte of every page and aux row. Exit status 0 only
+if every byte matched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .config import Config
+from .proto.states import KVPoll
+from .service.bootstrap import BootstrapServer
+from .service.manager import KVManager, Mode
+from .testing.workload import KVPool, Request, fill_aux, fill_pages, make_plan, verify_aux, verify_pages
+
+__all__ = ["DemoSpec", "run_demo", "run_worker"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSpec:
+    """The model geometry and the request stream of one demo run."""
+
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    page_size: int = 16
+    mla: bool = False
+    mla_latent_dim: int = 576
+    requests: int = 64
+    min_pages: int = 1
+    max_pages: int = 64
+    chunk_pages: int = 16
+    inflight: int = 8
+    seed: int = 0
+    bootstrap: str = ""
+
+    @property
+    def entries(self) -> int:
+        return self.layers if self.mla else 2 * self.layers
+
+    @property
+    def item_bytes(self) -> int:
+        per_token = self.mla_latent_dim if self.mla else self.kv_heads * self.head_dim
+        return self.page_size * per_token * self.dtype_bytes
+
+    @property
+    def pool_pages(self) -> int:
+        return self.inflight * self.max_pages
+
+    def pool(self) -> KVPool:
+        pool = KVPool(self.entries, self.pool_pages, self.item_bytes, aux_rows=self.inflight)
+        pool.kv.fill(0)  # fault the pages in now, not during the first transfers
+        return pool
+
+    def plan(self) -> list[Request]:
+        return make_plan(self.seed, self.requests, self.min_pages, self.max_pages)
+
+    def describe(self) -> str:
+        kind = "MLA" if self.mla else "MHA"
+        return (f"{kind}, {self.layers} layers, {self.entries} buffers x {self.item_bytes // 1024} KiB pages "
+                f"({self.page_size} tokens, {self.entries * self.item_bytes / 2**20:.1f} MiB per page)")
+
+
+class _Slots:
+    """Pages and aux rows of a pool, handed out per request."""
+
+    def __init__(self, num_pages: int, rows: int, shuffle_seed: int | None) -> None:
+        pages = np.arange(num_pages)
+        if shuffle_seed is not None:
+            np.random.default_rng(shuffle_seed).shuffle(pages)
+        self.pages: list[int] = pages.tolist()
+        self.rows = list(range(rows))
+
+    def take(self, n: int) -> tuple[np.ndarray, int]:
+        taken, self.pages = self.pages[:n], self.pages[n:]
+        return np.asarray(taken, dtype=np.int64), self.rows.pop()
+
+    def give(self, pages: np.ndarray, row: int) -> None:
+        self.pages.extend(int(p) for p in pages)
+        self.rows.append(row)
+
+
+def _emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+async def _prefill(spec: DemoSpec) -> int:
+    pool = spec.pool()
+    slots = _Slots(spec.pool_pages, spec.inflight, None)
+    gate = asyncio.Semaphore(spec.inflight)
+    failures = 0
+
+    async with KVManager(Mode.PREFILL, pool.kv_args(spec.page_size, is_mla=spec.mla),
+                         bootstrap_addr=spec.bootstrap, config=Config.from_env(host_bootstrap=False)) as mgr:
+
+        async def serve(req: Request) -> None:
+            nonlocal failures
+            async with gate:
+                pages, row = slots.take(req.num_pages)
+                await asyncio.to_thread(fill_pages, pool, req.room, pages)
+                fill_aux(pool, req.room, row)
+                sender = mgr.sender(req.room)
+                if await sender.wait_ready() == KVPoll.WaitingForInput:
+                    sender.init(req.num_pages, row)
+                    for i in range(0, req.num_pages, spec.chunk_pages):
+                        await sender.send(pages[i:i + spec.chunk_pages])
+                if await sender.wait() != KVPoll.Success:
+                    failures += 1
+                    _emit("failed", room=req.room, reason=sender.failure_reason)
+                sender.clear()
+                slots.give(pages, row)
+
+        await asyncio.gather(*(serve(r) for r in spec.plan()))
+    return 0 if failures == 0 else 1
+
+
+async def _decode(spec: DemoSpec) -> int:
+    pool = spec.pool()
+    slots = _Slots(spec.pool_pages, spec.inflight, spec.seed + 1)
+    gate = asyncio.Semaphore(spec.inflight)
+    latencies: list[float] = []
+    stats = {"done": 0, "failed": 0, "bad_pages": 0, "bad_aux": 0, "bytes": 0}
+
+    async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size, is_mla=spec.mla)) as mgr:
+
+        async def receive(req: Request) -> None:
+            async with gate:
+                pages, row = slots.take(req.num_pages)
+                receiver = mgr.receiver(spec.bootstrap, req.room)
+                t0 = time.perf_counter()
+                await receiver.init(pages, row)
+                result = await receiver.wait()
+                latencies.append(time.perf_counter() - t0)
+                if result == KVPoll.Success:
+                    stats["bad_pages"] += await asyncio.to_thread(verify_pages, pool, req.room, pages)
+                    stats["bad_aux"] += verify_aux(pool, req.room, row)
+                    stats["bytes"] += req.num_pages * pool.page_bytes
+                else:
+                    stats["failed"] += 1
+                    _emit("failed", room=req.room, reason=receiver.failure_reason)
+                receiver.clear()
+                slots.give(pages, row)  # stale contents cannot pass: patterns are keyed by room
+                stats["done"] += 1
+
+        async def report() -> None:
+            while True:
+                await asyncio.sleep(0.5)
+                _emit("progress", **stats, elapsed=time.perf_counter() - start)
+
+        # Wait for the prefill instance before starting the clock: process start-up is not transfer time.
+        await mgr.prefill_instance(spec.bootstrap)
+        start = time.perf_counter()
+        reporter = asyncio.create_task(report())
+        await asyncio.gather(*(receive(r) for r in spec.plan()))
+        elapsed = time.perf_counter() - start
+        reporter.cancel()
+    lat = np.asarray(latencies) * 1e3
+    _emit("summary", **stats, elapsed=elapsed, p50_ms=float(np.percentile(lat, 50)),
+          p99_ms=float(np.percentile(lat, 99)), requests=spec.requests, leftover=mgr.room_counts())
+    ok = stats["failed"] == 0 and stats["bad_pages"] == 0 and stats["bad_aux"] == 0
+    return 0 if ok else 1
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_worker(role: str, spec_json: str) -> int:
+    """Entry point of a demo child process (``asynckv _worker prefill|decode SPEC``)."""
+    spec = DemoSpec(**json.loads(spec_json))
+    _install_uvloop()
+    return asyncio.run(_prefill(spec) if role == "prefill" else _decode(spec))
+
+
+async def _run(spec: DemoSpec, out: Any) -> int:
+    async with BootstrapServer("127.0.0.1", 0) as server:
+        spec = dataclasses.replace(spec, bootstrap=server.addr)
+        print(f"asynckv demo: {spec.requests} requests of {spec.min_pages}-{spec.max_pages} pages "
+              f"in chunks of {spec.chunk_pages}, {spec.inflight} in flight; {spec.describe()}", file=out)
+        print(f"  bootstrap server on {server.addr}; starting prefill and decode processes", file=out, flush=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        procs = {role: await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "asynckv", "_worker", role, json.dumps(dataclasses.asdict(spec)),
+            stdout=asyncio.subprocess.PIPE, env=env) for role in ("decode", "prefill")}
+        summary: dict[str, Any] = {}
+
+        async def pump(role: str, proc: asyncio.subprocess.Process) -> None:
+            if proc.stdout is None:
+                return
+            async for raw in proc.stdout:
+                try:
+                    ev = json.loads(raw)
+                except ValueError:
+                    print(f"  [{role}] {raw.decode(errors='replace').rstrip()}", file=out, flush=True)
+                    continue
+                if ev["event"] == "progress":
+                    rate = ev["bytes"] / max(ev["elapsed"], 1e-9) / 1e9
+                    print(f"  [decode] {ev['done']}/{spec.requests} requests verified, "
+                          f"{ev['bytes'] / 1e9:.2f} GB, {rate:.2f} GB/s", file=out, flush=True)
+                elif ev["event"] == "summary":
+                    summary.update(ev)
+                else:
+                    print(f"  [{role}] {ev}", file=out, flush=True)
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(pump(r, p) for r, p in procs.items())), timeout=600)
+            codes = {r: await p.wait() for r, p in procs.items()}
+        finally:
+            for p in procs.values():
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+    if not summary:
+        print(f"demo FAILED: decode produced no summary (exit codes {codes})", file=out)
+        return 1
+    gb = summary["bytes"] / 1e9
+    verdict = ("every byte verified" if summary["bad_pages"] == 0 and summary["bad_aux"] == 0
+               and summary["failed"] == 0 else
+               f"FAILED: {summary['failed']} failed rooms, {summary['bad_pages']} bad pages, "
+               f"{summary['bad_aux']} bad aux rows")
+    print(f"summary: {summary['done']} requests, {gb:.2f} GB moved in {summary['elapsed']:.2f} s "
+          f"= {gb / summary['elapsed']:.2f} GB/s, request latency p50 {summary['p50_ms']:.1f} ms "
+          f"p99 {summary['p99_ms']:.1f} ms; {verdict}", file=out, flush=True)
+    if any(codes.values()) or "FAILED" in verdict:
+        print(f"demo FAILED (exit codes {codes})", file=out)
+        return 1
+    return 0
+
+
+def run_demo(spec: DemoSpec, out: Any = None) -> int:
+    """Run the whole demo; returns the process exit status."""
+    _install_uvloop()
+    return asyncio.run(_run(spec, out if out is not None else sys.stdout))
