@@ -91,7 +91,7 @@ class RankTable:
         if self._topology is not None and rank.topology != self._topology:
             diff = {k: (self._topology[k], v) for k, v in rank.topology.items() if self._topology[k] != v}
             if self._ranks:
-                raise PayloadError(f"rank disagrees with the registered instance: "
+                raise PayloadError("rank disagrees with the registered instance: "
                                    + ", ".join(f"{k} registered {a!r}, got {b!r}" for k, (a, b) in diff.items()))
         self._topology = rank.topology
         self._ranks[rank.key] = rank

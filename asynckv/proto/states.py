@@ -10,7 +10,7 @@ import enum
 
 from ..errors import LocalProtocolError
 
-__all__ = ["TRANSITIONS", "Event", "KVPoll", "RoomState", "Side"]
+__all__ = ["TRANSITIONS", "Event", "KVPoll", "RoomState", "Side", "mermaid_diagram"]
 
 
 class KVPoll(enum.IntEnum):
@@ -67,7 +67,7 @@ TRANSITIONS: dict[Side, dict[KVPoll, dict[Event, KVPoll]]] = {
 class RoomState:
     """The state of one room. Terminal states are sticky; Failed keeps its first reason."""
 
-    __slots__ = ("side", "state", "reason", "exception")
+    __slots__ = ("exception", "reason", "side", "state")
 
     def __init__(self, side: Side) -> None:
         self.side = side
@@ -102,3 +102,17 @@ class RoomState:
         self.exception = exc
         self.reason = str(exc) or type(exc).__name__
         return True
+
+
+def mermaid_diagram() -> str:
+    """The room state diagram, generated from TRANSITIONS (embedded in the README)."""
+    lines = ["stateDiagram-v2"]
+    for side, table in TRANSITIONS.items():
+        lines.append(f"    state {side.value} {{")
+        lines.append(f"        [*] --> {side.value}_{KVPoll.Bootstrapping.name}")
+        for state, moves in table.items():
+            for event, new in moves.items():
+                if new != state:
+                    lines.append(f"        {side.value}_{state.name} --> {side.value}_{new.name}: {event.value}")
+        lines.append("    }")
+    return "\n".join(lines)

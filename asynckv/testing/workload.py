@@ -110,8 +110,8 @@ class Request:
 def make_plan(seed: int, count: int, min_pages: int, max_pages: int) -> list[Request]:
     """A reproducible stream of requests of mixed lengths with distinct random room ids."""
     rng = np.random.default_rng(seed)
-    rooms = set()
-    plan = []
+    rooms: set[int] = set()
+    plan: list[Request] = []
     while len(plan) < count:
         room = int(rng.integers(1, 2**63 - 1))
         if room in rooms:

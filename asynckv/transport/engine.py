@@ -165,7 +165,7 @@ class NixlEngine:
             cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                     backends=[self._backend])
             self.agent = nixl_agent(self.name, cfg)
-        except BaseException as exc:  # noqa: BLE001 - reported to the awaiting loop
+        except BaseException as exc:
             err = TransportError(f"cannot create NIXL agent ({self._backend}): {exc}")
             err.__cause__ = exc
             loop.call_soon_threadsafe(ready.set_exception, err)
@@ -173,7 +173,7 @@ class NixlEngine:
         loop.call_soon_threadsafe(ready.set_result, None)
         try:
             self._progress_loop(loop)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self.thread_error = exc
             log.exception("engine %s: progress thread died", self.name)
             raise
@@ -196,7 +196,7 @@ class NixlEngine:
                 if isinstance(cmd, _Call):
                     try:
                         done.append((cmd.fut, cmd.fn(agent, *cmd.args), None))
-                    except BaseException as exc:  # noqa: BLE001
+                    except BaseException as exc:
                         done.append((cmd.fut, None, map_nixl_error(exc, getattr(cmd.fn, "__name__", "call"))))
                 else:
                     if self._start_post(agent, cmd, done):
@@ -217,9 +217,12 @@ class NixlEngine:
             if done:
                 loop.call_soon_threadsafe(self._deliver, done)
             if stop:
+                closed: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
                 for post in in_flight:
                     self._release(agent, post)
-                    loop.call_soon_threadsafe(self._deliver, [(post.fut, None, ClosedError("engine closed"))])
+                    closed.append((post.fut, None, ClosedError("engine closed")))
+                if closed:
+                    loop.call_soon_threadsafe(self._deliver, closed)
                 return
             if done:
                 idle_wait = _MIN_IDLE_WAIT_S
@@ -243,7 +246,7 @@ class NixlEngine:
             for h in post.handles:
                 if agent.transfer(h) != "DONE":
                     post.pending.append(h)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._release(agent, post)
             done.append((post.fut, None, map_nixl_error(exc, post.what)))
             return False
@@ -257,7 +260,7 @@ class NixlEngine:
         """Poll a post's handles; returns whether it is still in flight."""
         try:
             post.pending = [h for h in post.pending if agent.check_xfer_state(h) != "DONE"]
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._release(agent, post)
             done.append((post.fut, None, map_nixl_error(exc, post.what)))
             return False

@@ -1,0 +1,151 @@
+"""End-to-end transfers between two managers (two NIXL agents) over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from asynckv import InvalidArgument, KVPoll, LocalProtocolError
+from asynckv.testing import verify_pages
+
+from .conftest import check_landed, make_pair, transfer_room
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("prepped", [True, False], ids=["prepped", "descs"])
+@pytest.mark.parametrize("chunk", [None, 3], ids=["single", "chunked"])
+async def test_pages_land_at_shuffled_destinations(mla: bool, prepped: bool, chunk: int | None) -> None:
+    async with make_pair(entries=3 if mla else 4, mla=mla, prepped_dlists=prepped) as pair:
+        rng = np.random.default_rng(1)
+        src = rng.permutation(64)[:10]
+        dst = rng.permutation(64)[:10]
+        assert await transfer_room(pair, 77, src, dst, chunk=chunk, src_aux=2, dst_aux=9) == (
+            KVPoll.Success, KVPoll.Success)
+        check_landed(pair, 77, dst, 9)
+        untouched = np.setdiff1d(np.arange(64), dst)
+        assert not pair.dpool.kv[:, untouched].any(), "a page outside the request was written"
+        assert not np.concatenate([b[np.arange(16) != 9] for b in pair.dpool.aux]).any()
+        pair.assert_no_room_state()
+
+
+async def test_contiguous_runs_and_large_requests_split_across_handles() -> None:
+    async with make_pair(pages=256, max_descs_per_xfer=7, prepped_dlists=False) as pair:
+        src = np.arange(200)
+        dst = np.concatenate([np.arange(100, 200), np.arange(0, 100)])
+        assert await transfer_room(pair, 5, src, dst) == (KVPoll.Success, KVPoll.Success)
+        check_landed(pair, 5, dst)
+
+
+async def test_empty_last_chunk_concludes_the_room_and_carries_aux() -> None:
+    async with make_pair() as pair:
+        assert await transfer_room(pair, 9, [], [], src_aux=1, dst_aux=4) == (KVPoll.Success, KVPoll.Success)
+        check_landed(pair, 9, [], 4)
+        assert not pair.dpool.kv.any()
+
+
+async def test_hundreds_of_rooms_in_flight_and_nothing_left_after_clear() -> None:
+    async with make_pair(entries=2, pages=1024, item=128) as pair:
+        rng = np.random.default_rng(7)
+        dst_all = rng.permutation(1024).reshape(128, 8)
+        src_all = np.arange(1024).reshape(128, 8)
+        results = await asyncio.gather(*(transfer_room(pair, 1000 + i, src_all[i], dst_all[i], chunk=3)
+                                         for i in range(128)))
+        assert results == [(KVPoll.Success, KVPoll.Success)] * 128
+        for i in range(128):
+            assert verify_pages(pair.dpool, 1000 + i, dst_all[i]) == 0
+        pair.assert_no_room_state()
+        assert pair.prefill.stats["kv_posts"] == 128 * 3
+
+
+async def test_destination_may_arrive_before_the_sender_exists() -> None:
+    async with make_pair() as pair:
+        receiver = pair.decode.receiver(pair.addr, 3)
+        assert await receiver.init([5, 6], -1) == KVPoll.WaitingForInput
+        for _ in range(200):
+            if pair.prefill.room_counts()["early_rooms"]:
+                break
+            await asyncio.sleep(0.005)
+        assert pair.prefill.room_counts()["early_rooms"] == 1
+        sender = pair.prefill.sender(3)
+        assert sender.poll() == KVPoll.WaitingForInput
+        sender.init(2)
+        await sender.send([0, 1])
+        assert await receiver.wait(5) == KVPoll.Success
+        sender.clear()
+        receiver.clear()
+        pair.assert_no_room_state()
+
+
+async def test_bad_local_input_is_refused_and_nothing_is_lost() -> None:
+    async with make_pair() as pair:
+        receiver = pair.decode.receiver(pair.addr, 1)
+        with pytest.raises(InvalidArgument, match="appears more than once"):
+            await receiver.init([1, 1])
+        with pytest.raises(InvalidArgument, match="outside the registered range"):
+            await receiver.init([64])
+        with pytest.raises(InvalidArgument, match="aux_index 16"):
+            await receiver.init([1], 16)
+        assert receiver.poll() == KVPoll.Bootstrapping  # still usable
+        assert await receiver.init([1, 2]) == KVPoll.WaitingForInput
+        sender = pair.prefill.sender(1)
+        await sender.wait_ready(5)
+        with pytest.raises(LocalProtocolError, match="before init"):
+            await sender.send([0])
+        sender.init(2)
+        with pytest.raises(InvalidArgument, match="overruns num_pages=2"):
+            await sender.send([0, 1, 2])
+        await sender.send([3, 4])
+        assert await receiver.wait(5) == KVPoll.Success
+        with pytest.raises(LocalProtocolError, match="already exists"):
+            pair.prefill.sender(1)
+        with pytest.raises(InvalidArgument, match="room must be"):
+            pair.prefill.sender(-1)
+        with pytest.raises(LocalProtocolError, match="prefill manager"):
+            pair.prefill.receiver(pair.addr, 2)
+
+
+async def test_page_count_mismatch_fails_both_sides_with_a_reason() -> None:
+    async with make_pair() as pair:
+        receiver = pair.decode.receiver(pair.addr, 4)
+        await receiver.init([1, 2, 3])
+        sender = pair.prefill.sender(4)
+        await sender.wait_ready(5)
+        sender.init(2)
+        assert await sender.wait(5) == KVPoll.Failed
+        assert "decode expects 3 pages, prefill will send 2" in (sender.failure_reason or "")
+        assert await receiver.wait(5) == KVPoll.Failed
+        assert "decode expects 3 pages" in (receiver.failure_reason or "")
+
+
+async def test_wait_cancellation_does_not_abort_the_room() -> None:
+    async with make_pair() as pair:
+        receiver = pair.decode.receiver(pair.addr, 8)
+        await receiver.init([0])
+        waiter = asyncio.create_task(receiver.wait())
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert receiver.poll() == KVPoll.WaitingForInput
+        sender = pair.prefill.sender(8)
+        await sender.wait_ready(5)
+        sender.init(1)
+        await sender.send([0])
+        assert await receiver.wait(5) == KVPoll.Success
+        with pytest.raises(TimeoutError):
+            await pair.prefill.sender(99).wait(timeout=0.01)
+
+
+async def test_closing_a_manager_fails_its_unfinished_rooms() -> None:
+    async with make_pair() as pair:
+        sender = pair.prefill.sender(11)
+        receiver = pair.decode.receiver(pair.addr, 12)
+        await pair.prefill.close()
+        assert await sender.wait(1) == KVPoll.Failed and "manager closed" in (sender.failure_reason or "")
+        await pair.decode.close()
+        assert await receiver.wait(1) == KVPoll.Failed
+        pair.assert_no_room_state()

@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asynckv.errors import InvalidArgument
+from asynckv.kernels import _reference as ref
+from asynckv.kernels import (
+    aux_descriptors,
+    coalesce_runs,
+    kv_page_descriptors,
+    prepped_indices,
+    validate_pages,
+)
+
+
+@st.composite
+def page_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    n = draw(st.integers(0, 64))
+    kind = draw(st.sampled_from(["random", "contiguous", "runs"]))
+    if kind == "contiguous":
+        s0, d0 = draw(st.integers(0, 100)), draw(st.integers(0, 100))
+        return np.arange(s0, s0 + n), np.arange(d0, d0 + n)
+    src = np.array(draw(st.permutations(range(200)))[:n])
+    dst = np.array(draw(st.permutations(range(200)))[:n])
+    if kind == "runs" and n:
+        cut = draw(st.integers(0, n))
+        src[:cut] = np.arange(cut) + 300
+        dst[:cut] = np.arange(cut) + 500
+    return src.astype(np.int64), dst.astype(np.int64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(page_pairs())
+def test_coalesce_runs_matches_reference(pair: tuple[np.ndarray, np.ndarray]) -> None:
+    src, dst = pair
+    s0, d0, n = coalesce_runs(src, dst)
+    assert list(zip(s0.tolist(), d0.tolist(), n.tolist(), strict=True)) == ref.coalesce_runs(src.tolist(), dst.tolist())
+    assert int(n.sum()) == len(src)
+
+
+@settings(max_examples=200, deadline=None)
+@given(page_pairs(), st.integers(1, 6), st.booleans())
+def test_kv_page_descriptors_match_reference(pair: tuple[np.ndarray, np.ndarray], entries: int,
+                                             wider_dst: bool) -> None:
+    src, dst = pair
+    rng = np.random.default_rng(entries)
+    sp = rng.integers(1 << 30, 1 << 40, entries).astype(np.uint64)
+    dp = rng.integers(1 << 30, 1 << 40, entries).astype(np.uint64)
+    si = rng.integers(1, 5000, entries).astype(np.uint64)
+    di = si + (rng.integers(0, 100, entries).astype(np.uint64) if wider_dst else 0)
+    got_s, got_d = kv_page_descriptors(sp, dp, si, di, src, dst, 0, 3)
+    want_s, want_d = ref.kv_page_descriptors(sp.tolist(), dp.tolist(), si.tolist(), di.tolist(),
+                                             src.tolist(), dst.tolist(), 0, 3)
+    assert [tuple(r) for r in got_s.tolist()] == want_s
+    assert [tuple(r) for r in got_d.tolist()] == want_d
+    assert got_s.dtype == np.uint64 and got_s.flags.c_contiguous and got_s.shape[1] == 3
+
+
+def test_coalescing_contiguous_pages_gives_one_descriptor_per_entry() -> None:
+    src, dst = kv_page_descriptors(np.array([0, 10**6], dtype=np.uint64),
+                                   np.array([5 * 10**6, 6 * 10**6], dtype=np.uint64),
+                                   np.array([100, 100], dtype=np.uint64), np.array([100, 100], dtype=np.uint64),
+                                   np.arange(10, 42), np.arange(0, 32))
+    assert src.tolist() == [[1000, 3200, 0], [10**6 + 1000, 3200, 0]]
+    assert dst.tolist() == [[5 * 10**6, 3200, 0], [6 * 10**6, 3200, 0]]
+
+
+def test_all_scattered_pages_give_one_descriptor_per_page() -> None:
+    src, _ = kv_page_descriptors(np.array([0], dtype=np.uint64), np.array([0], dtype=np.uint64),
+                                 np.array([8], dtype=np.uint64), np.array([8], dtype=np.uint64),
+                                 np.array([0, 2, 4, 6]), np.array([9, 7, 5, 3]))
+    assert len(src) == 4
+
+
+def test_empty_and_one_page() -> None:
+    s, d = kv_page_descriptors(np.array([0], dtype=np.uint64), np.array([0], dtype=np.uint64),
+                               np.array([8], dtype=np.uint64), np.array([8], dtype=np.uint64),
+                               np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+    assert s.shape == (0, 3) and d.shape == (0, 3)
+    s, d = kv_page_descriptors(np.array([0], dtype=np.uint64), np.array([0], dtype=np.uint64),
+                               np.array([8], dtype=np.uint64), np.array([8], dtype=np.uint64),
+                               np.array([3]), np.array([5]))
+    assert s.tolist() == [[24, 8, 0]] and d.tolist() == [[40, 8, 0]]
+
+
+def test_source_item_larger_than_destination_is_refused() -> None:
+    with pytest.raises(InvalidArgument):
+        kv_page_descriptors(np.array([0], dtype=np.uint64), np.array([0], dtype=np.uint64),
+                            np.array([16], dtype=np.uint64), np.array([8], dtype=np.uint64),
+                            np.array([0]), np.array([0]))
+
+
+def test_unequal_page_counts_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match="differ"):
+        coalesce_runs(np.arange(3), np.arange(4))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 99), max_size=50, unique=True), st.integers(1, 5))
+def test_prepped_indices_match_reference(pages: list[int], entries: int) -> None:
+    got = prepped_indices(np.array(pages, dtype=np.int64), 100, entries)
+    assert got.dtype == np.int32
+    assert got.tolist() == ref.prepped_indices(pages, 100, entries)
+
+
+def test_prepped_indices_refuse_int32_overflow() -> None:
+    with pytest.raises(InvalidArgument, match="int32"):
+        prepped_indices(np.array([0]), 2**31, 2)
+
+
+@pytest.mark.parametrize("pages, needle", [
+    ([0, 1, 1], "appears more than once"),
+    ([0, 10], "outside the registered range"),
+    ([-1], "outside the registered range"),
+    ([[1, 2]], "one-dimensional"),
+    ([0.5], "integers"),
+])
+def test_validate_pages_refuses_bad_input(pages: list[object], needle: str) -> None:
+    with pytest.raises(InvalidArgument, match=needle):
+        validate_pages(pages, 10)
+
+
+def test_validate_pages_accepts_unsorted_and_empty() -> None:
+    assert validate_pages([9, 0, 4], 10).tolist() == [9, 0, 4]
+    assert validate_pages([], 10).size == 0
+    assert validate_pages(np.array([3], dtype=np.int32), 10).dtype == np.int64
+
+
+def test_aux_descriptors() -> None:
+    s, d = aux_descriptors(np.array([1000, 2000], dtype=np.uint64), np.array([5000, 6000], dtype=np.uint64),
+                           np.array([64, 32], dtype=np.uint64), 2, 5)
+    assert s.tolist() == [[1128, 64, 0], [2064, 32, 0]]
+    assert d.tolist() == [[5320, 64, 0], [6160, 32, 0]]

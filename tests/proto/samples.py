@@ -1,0 +1,42 @@
+"""One sample of every control message; their encodings are the golden vectors in tests/data/."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asynckv.proto.messages import Abort, Message, Register, RegisterResult, Status, TransferInfo
+
+SAMPLES: dict[str, Message] = {
+    "register": Register(
+        decode_id="0b6f3a52-decode", endpoint="tcp://127.0.0.1:41000", engine_rank=1, tp_size=2,
+        page_size=16, kv_dtype="bfloat16", mem_kind="DRAM", is_mla=False, gpu_id=0,
+        kv_ptrs=(0x7F0000000000, 0x7F0000100000), kv_lens=(1 << 20, 1 << 20), kv_item_lens=(32768, 32768),
+        kv_layer_ids=(0, 0), aux_ptrs=(0x7E0000000000,), aux_lens=(4096,), aux_item_lens=(64,),
+        scratch_ptr=0x7D0000000000, scratch_len=4096, agent_metadata=b"\x00NIXL-metadata\xff"),
+    "register_result_ok": RegisterResult(prefill_id="9c1e-prefill", decode_id="0b6f3a52-decode", ok=True,
+                                         reason=""),
+    "register_result_refused": RegisterResult(
+        prefill_id="9c1e-prefill", decode_id="0b6f3a52-decode", ok=False,
+        reason="page_size mismatch: prefill has 16, decode has 32"),
+    "transfer_info": TransferInfo(room=2**63 - 1, decode_id="0b6f3a52-decode", aux_index=3,
+                                  required_dst_info_num=1, dst_pages=np.array([7, 3, 4, 5, 0], dtype=np.int32)),
+    "transfer_info_empty": TransferInfo(room=0, decode_id="d", aux_index=-1, required_dst_info_num=1,
+                                        dst_pages=np.array([], dtype=np.int32)),
+    "status_ok": Status(room=42, sender_rank=3, ok=True, reason=""),
+    "status_failed": Status(room=42, sender_rank=0, ok=False, reason="peer disconnected (nixlRemoteDisconnectError)"),
+    "abort": Abort(room=12345678901234, decode_id="0b6f3a52-decode", reason="aborted by decode"),
+}
+
+
+def pack_frames(frames: list[bytes]) -> bytes:
+    """Golden-file format: each frame as a little-endian u32 length, then its bytes."""
+    return b"".join(len(f).to_bytes(4, "little") + f for f in frames)
+
+
+def unpack_frames(blob: bytes) -> list[bytes]:
+    frames, i = [], 0
+    while i < len(blob):
+        n = int.from_bytes(blob[i:i + 4], "little")
+        frames.append(blob[i + 4:i + 4 + n])
+        i += 4 + n
+    return frames

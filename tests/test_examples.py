@@ -1,0 +1,30 @@
+"""Every example runs on this machine."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(path: pathlib.Path) -> None:
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_readme_state_diagram_is_generated_from_the_transition_table() -> None:
+    from asynckv.proto.states import mermaid_diagram
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    assert mermaid_diagram() in readme, "regenerate the README diagram with asynckv.proto.states.mermaid_diagram()"
+
+
+def test_cli_help() -> None:
+    for args in ([], ["demo"], ["bootstrap-server"]):
+        out = subprocess.run([sys.executable, "-m", "asynckv", *args, "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "usage: asynckv" in out.stdout
