@@ -120,6 +120,7 @@ class KVManager:
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
         self._reg_handles: list[Any] = []
         self._local_dlist: Any = None
+        self._agent_metadata = b""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started = False
         self._closed = False
@@ -177,6 +178,7 @@ class KVManager:
         try:
             await self._engine.start()
             await self._engine.call(self._register_memory)
+            self._agent_metadata = bytes(await self._engine.call(lambda agent: agent.get_agent_metadata()))
             self._ctx = zmq.asyncio.Context()
             self._control = ControlChannel(self._ctx, self.config.host, self._on_message,
                                            self._on_version_mismatch, self.config.send_timeout_s)
@@ -584,7 +586,6 @@ class KVManager:
 
     def _register_message(self) -> Register:
         a = self.kv_args
-        metadata = self._engine.agent.get_agent_metadata()  # short, GIL-held call; safe off-thread
         return Register(
             decode_id=self.name, endpoint=self.endpoint, engine_rank=a.engine_rank, tp_size=a.tp_size,
             page_size=a.page_size, kv_dtype=a.kv_dtype, mem_kind=a.mem_kind, is_mla=a.is_mla,
@@ -593,7 +594,7 @@ class KVManager:
             kv_layer_ids=a.layer_ids, aux_ptrs=tuple(int(x) for x in a.aux_data_ptrs),
             aux_lens=tuple(int(x) for x in a.aux_data_lens), aux_item_lens=tuple(int(x) for x in a.aux_item_lens),
             scratch_ptr=int(self._scratch.ctypes.data), scratch_len=SCRATCH_BYTES,
-            agent_metadata=bytes(metadata))
+            agent_metadata=self._agent_metadata)
 
     def _on_register_result(self, msg: RegisterResult) -> None:
         fut = self._registrations.get(msg.prefill_id)
