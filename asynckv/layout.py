@@ -16,9 +16,10 @@ import numpy as np
 
 from .errors import InvalidArgument
 
-__all__ = ["KVArgs", "MemKind"]
+__all__ = ["KVArgs", "MemKind", "StateType", "entry_keys"]
 
 MemKind = Literal["DRAM", "VRAM"]
+StateType = Literal["none", "mamba", "swa", "nsa"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -61,6 +62,19 @@ class KVArgs:
     kv_layer_ids: Sequence[int] | None = None
     """Global model layer id of each entry; defaults to positional ids."""
     prefill_start_layer: int = 0
+    """First global layer id of this PP stage (used when kv_layer_ids is not given)."""
+    state_type: StateType = "none"
+    """Hybrid-model state sent with the last chunk: "mamba", "swa", "nsa" or "none"."""
+    state_data_ptrs: Sequence[int] = ()
+    state_data_lens: Sequence[int] = ()
+    state_item_lens: Sequence[int] = ()
+    """mamba: bytes of one request slot; swa/nsa: bytes of one page of the state entry."""
+    state_layer_ids: Sequence[int] | None = None
+    """Global layer id of each state entry (pairing key, like kv_layer_ids); positional if None."""
+    state_dim_per_tensor: Sequence[int] | None = None
+    """mamba across TP sizes: size on this rank of each entry's sliced dimension (0: replicated)."""
+    state_outer: Sequence[int] | None = None
+    """mamba across TP sizes: rows before the sliced dimension of each entry (default 1)."""
     owners: tuple[Any, ...] = ()
     """Objects that own the memory (kept alive as long as these args are)."""
 
@@ -93,6 +107,22 @@ class KVArgs:
             raise InvalidArgument("pp_rank/dp_rank out of range of pp_size/dp_size")
         if self.kv_layer_ids is not None and len(self.kv_layer_ids) != n:
             raise InvalidArgument("kv_layer_ids must have one id per KV entry")
+        if self.kv_head_num < 1 or self.total_kv_head_num < 1:
+            raise InvalidArgument("kv_head_num and total_kv_head_num must be >= 1")
+        if self.state_type not in ("none", "mamba", "swa", "nsa"):
+            raise InvalidArgument(f"state_type must be none, mamba, swa or nsa, got {self.state_type!r}")
+        ns = len(self.state_data_ptrs)
+        if len(self.state_data_lens) != ns or len(self.state_item_lens) != ns:
+            raise InvalidArgument("state_data_ptrs/lens/item_lens lengths differ")
+        if (self.state_type == "none") != (ns == 0):
+            raise InvalidArgument(f"state_type {self.state_type!r} with {ns} state entries")
+        for name in ("state_layer_ids", "state_dim_per_tensor", "state_outer"):
+            value = getattr(self, name)
+            if value is not None and len(value) != ns:
+                raise InvalidArgument(f"{name} must have one value per state entry")
+        for i, (length, item) in enumerate(zip(self.state_data_lens, self.state_item_lens, strict=True)):
+            if item <= 0 or length < item:
+                raise InvalidArgument(f"state entry {i}: item_len {item} must be > 0 and <= data_len {length}")
 
     @property
     def num_entries(self) -> int:
@@ -119,6 +149,13 @@ class KVArgs:
         ids = tuple(self.prefill_start_layer + i for i in range(per_kind))
         return ids if self.is_mla else ids + ids
 
+    @property
+    def num_state_slots(self) -> int:
+        """Slots (mamba) or pages (swa/nsa) addressable in every state entry."""
+        if not self.state_data_ptrs:
+            return 0
+        return min(n // i for n, i in zip(self.state_data_lens, self.state_item_lens, strict=True))
+
     def kv_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ptrs, lens, item_lens) as uint64 arrays for the kernels."""
         return (np.asarray(self.kv_data_ptrs, dtype=np.uint64),
@@ -127,7 +164,7 @@ class KVArgs:
 
     @classmethod
     def from_arrays(cls, kv: Sequence[np.ndarray] | np.ndarray, *, page_size: int,
-                    aux: Sequence[np.ndarray] = (), **fields: Any) -> KVArgs:
+                    aux: Sequence[np.ndarray] = (), state: Sequence[np.ndarray] = (), **fields: Any) -> KVArgs:
         """Build KVArgs from numpy arrays whose first axis is the page (aux: the row).
 
         ``kv`` is a list of per-entry arrays or one array whose first axis is the entry.
@@ -139,10 +176,13 @@ class KVArgs:
             raise InvalidArgument("KVArgs.from_arrays needs at least one KV array")
         ptrs, lens, items = zip(*(_describe(a, f"kv[{i}]") for i, a in enumerate(entries)), strict=True)
         aux_desc = [_describe(a, f"aux[{i}]") for i, a in enumerate(aux)]
+        state_desc = [_describe(a, f"state[{i}]") for i, a in enumerate(state)]
         return cls(kv_data_ptrs=list(ptrs), kv_data_lens=list(lens), kv_item_lens=list(items),
                    aux_data_ptrs=[d[0] for d in aux_desc], aux_data_lens=[d[1] for d in aux_desc],
                    aux_item_lens=[d[2] for d in aux_desc], page_size=page_size,
-                   owners=(kv, tuple(aux)), **fields)
+                   state_data_ptrs=[d[0] for d in state_desc], state_data_lens=[d[1] for d in state_desc],
+                   state_item_lens=[d[2] for d in state_desc],
+                   owners=(kv, tuple(aux), tuple(state)), **fields)
 
 
 def _describe(a: Any, what: str) -> tuple[int, int, int]:
@@ -157,3 +197,19 @@ def _describe(a: Any, what: str) -> tuple[int, int, int]:
         nbytes = int(a.numel() * a.element_size())
         return int(a.data_ptr()), nbytes, nbytes // int(a.shape[0])
     raise InvalidArgument(f"{what}: expected a numpy array or a tensor, got {type(a).__name__}")
+
+
+def entry_keys(layer_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Pairing key of each entry: (global layer id, occurrence of that id so far).
+
+    MHA lists K entries then V entries, so K of layer 5 is (5, 0) and V of layer 5 is
+    (5, 1) on both sides, whatever slice of the model each side holds; draft (speculative)
+    entries appended after the target's keep their own layer ids.
+    """
+    seen: dict[int, int] = {}
+    keys = []
+    for layer in layer_ids:
+        occurrence = seen.get(int(layer), 0)
+        seen[int(layer)] = occurrence + 1
+        keys.append((int(layer), occurrence))
+    return keys

@@ -11,9 +11,13 @@ from .pages import (
     prepped_indices,
     validate_pages,
 )
+from .slicing import block_descriptors, head_slice_descriptors, merge_contiguous
 
 __all__ = [
     "aux_descriptors",
+    "block_descriptors",
+    "head_slice_descriptors",
+    "merge_contiguous",
     "coalesce_runs",
     "kv_page_descriptors",
     "prepped_indices",

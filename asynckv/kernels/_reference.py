@@ -48,3 +48,36 @@ def per_page_descriptors(
 
 def prepped_indices(pages: Sequence[int], num_slots: int, num_entries: int) -> list[int]:
     return [e * num_slots + p for e in range(num_entries) for p in pages]
+
+
+def head_slice_descriptors(
+    src_ptrs: Sequence[int], dst_ptrs: Sequence[int], src_items: Sequence[int], dst_items: Sequence[int],
+    page_size: int, src_pages: Sequence[int], dst_pages: Sequence[int], src_offs: Sequence[int],
+    dst_offs: Sequence[int], nbytes: Sequence[int],
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """Per-token loop, the way the reference connector builds head slices (unmerged)."""
+    src: list[tuple[int, int, int]] = []
+    dst: list[tuple[int, int, int]] = []
+    for e in range(len(src_ptrs)):
+        srow, drow = src_items[e] // page_size, dst_items[e] // page_size
+        for ps, pd in zip(src_pages, dst_pages, strict=True):
+            for t in range(page_size):
+                src.append((src_ptrs[e] + ps * src_items[e] + t * srow + src_offs[e], nbytes[e], 0))
+                dst.append((dst_ptrs[e] + pd * dst_items[e] + t * drow + dst_offs[e], nbytes[e], 0))
+    return src, dst
+
+
+def merge_contiguous(
+    src: list[tuple[int, int, int]], dst: list[tuple[int, int, int]],
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    out_s: list[tuple[int, int, int]] = []
+    out_d: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if out_s and out_s[-1][0] + out_s[-1][1] == s[0] and out_d[-1][0] + out_d[-1][1] == d[0] \
+                and out_s[-1][2] == s[2] and out_d[-1][2] == d[2]:
+            out_s[-1] = (out_s[-1][0], out_s[-1][1] + s[1], s[2])
+            out_d[-1] = (out_d[-1][0], out_d[-1][1] + d[1], d[2])
+        else:
+            out_s.append(s)
+            out_d.append(d)
+    return out_s, out_d

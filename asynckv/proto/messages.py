@@ -79,6 +79,9 @@ class Register(Message):
         ("gpu_id", "uint"), ("kv_ptrs", "ints"), ("kv_lens", "ints"), ("kv_item_lens", "ints"),
         ("kv_layer_ids", "ints"), ("aux_ptrs", "ints"), ("aux_lens", "ints"),
         ("aux_item_lens", "ints"), ("scratch_ptr", "uint"), ("scratch_len", "uint"),
+        ("kv_head_num", "uint"), ("total_kv_head_num", "uint"), ("state_type", "str"),
+        ("state_ptrs", "ints"), ("state_lens", "ints"), ("state_item_lens", "ints"),
+        ("state_layer_ids", "ints"), ("state_dims", "ints"), ("state_outer", "ints"),
         ("agent_metadata", "bytes"),
     )
     decode_id: str
@@ -102,6 +105,19 @@ class Register(Message):
     scratch_ptr: int
     """A small DRAM region prefill may write for the first-contact warm-up."""
     scratch_len: int
+    kv_head_num: int
+    """KV heads on this decode rank."""
+    total_kv_head_num: int
+    state_type: str
+    """"none", "mamba", "swa" or "nsa"."""
+    state_ptrs: tuple[int, ...]
+    state_lens: tuple[int, ...]
+    state_item_lens: tuple[int, ...]
+    state_layer_ids: tuple[int, ...]
+    """Empty: state entries pair positionally."""
+    state_dims: tuple[int, ...]
+    """mamba: sliced-dimension size per entry on this rank; empty if not given."""
+    state_outer: tuple[int, ...]
     agent_metadata: bytes
     """``nixl_agent.get_agent_metadata()`` of the decode agent (opaque)."""
 
@@ -126,21 +142,32 @@ class TransferInfo(Message):
     TYPE: ClassVar[int] = 3
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
         ("room", "room"), ("decode_id", "str"), ("aux_index", "int"),
-        ("required_dst_info_num", "uint"), ("dst_pages", "i32"))
+        ("required_dst_info_num", "uint"), ("is_dummy", "bool"), ("write_aux", "bool"),
+        ("decode_prefix_len", "uint"), ("dst_pages", "i32"), ("dst_state_indices", "i32"))
     room: int
     decode_id: str
     aux_index: int
     """Destination aux row, or -1 for none."""
     required_dst_info_num: int
     """How many decode ranks this prefill rank must hear from before the room is ready."""
+    is_dummy: bool
+    """This prefill rank takes part in the room but writes and reports nothing."""
+    write_aux: bool
+    """This prefill rank is the one that writes the aux row (and replicated state)."""
+    decode_prefix_len: int
+    """Tokens decode already holds (a multiple of page_size); dst_pages start after them."""
     dst_pages: npt.NDArray[np.int32]
+    dst_state_indices: npt.NDArray[np.int32]
+    """mamba: the request's state slot; swa/nsa: state page indices; empty: no state."""
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TransferInfo):
             return NotImplemented
-        return (self.room, self.decode_id, self.aux_index, self.required_dst_info_num) == (
-            other.room, other.decode_id, other.aux_index, other.required_dst_info_num
-        ) and np.array_equal(self.dst_pages, other.dst_pages)
+        scalars = ("room", "decode_id", "aux_index", "required_dst_info_num", "is_dummy", "write_aux",
+                   "decode_prefix_len")
+        return all(getattr(self, f) == getattr(other, f) for f in scalars) \
+            and np.array_equal(self.dst_pages, other.dst_pages) \
+            and np.array_equal(self.dst_state_indices, other.dst_state_indices)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,16 +1,50 @@
-"""Which prefill ranks a decode rank talks to, and how many answers each side waits for."""
+"""Rank mapping and per-peer transfer plans, for every supported parallel layout.
+
+Decode side (``plan_targets``): which prefill ranks a decode rank contacts for a room,
+which of them are dummies (they take part so every rank's counts close, but send
+nothing), who writes the aux row (exactly one sender per destination), how many decode
+ranks each prefill rank waits for and how many senders decode waits for.
+
+Prefill side (``plan_peer``): for one registered decode rank, which local entry goes to
+which remote entry (paired by global layer id, never by count), whether pages are copied
+whole or as TP head slices, and how hybrid state travels. Anything unsupported is refused
+here, at registration, with a message naming both sides' values.
+
+Notation as in the protocol reference (section 4.6): H total KV heads, Tp / Td prefill /
+decode attention TP, hs = max(1, H // Tp), hd = max(1, H // Td) heads per rank. When TP
+exceeds H, consecutive ranks hold the same heads (GQA replication): rank r holds head
+group ``r // max(1, T // H)``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from ..errors import LayoutMismatch, RemoteProtocolError
-from ..layout import KVArgs
+from ..layout import KVArgs, entry_keys
 from .bootstrap import PayloadError, PrefillRank
 from .messages import PROTOCOL_VERSION, Register
 
-__all__ = ["PrefillInstance", "TargetPlan", "check_compatible", "check_registration", "plan_targets"]
+__all__ = [
+    "HeadSlice",
+    "PeerPlan",
+    "PrefillInstance",
+    "StatePlan",
+    "Target",
+    "TargetPlan",
+    "check_compatible",
+    "check_registration",
+    "head_slice",
+    "plan_peer",
+    "plan_targets",
+]
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,14 +77,32 @@ class PrefillInstance:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+    """One prefill rank of a room, from the decode rank's point of view."""
+
+    rank: PrefillRank
+    is_dummy: bool
+    """Takes part (so its counts close) but writes nothing and reports nothing."""
+    write_aux: bool
+    """The one sender that writes this destination's aux row (and replicated state)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class TargetPlan:
     """The prefill ranks one decode rank sends a room's destination to."""
 
-    ranks: tuple[PrefillRank, ...]
+    targets: tuple[Target, ...]
     required_dst_info_num: int
     """How many decode ranks each target prefill rank waits for."""
-    required_responses: int
-    """How many distinct prefill senders must report success to this decode rank."""
+
+    @property
+    def ranks(self) -> tuple[PrefillRank, ...]:
+        return tuple(t.rank for t in self.targets)
+
+    @property
+    def required_responses(self) -> int:
+        """Distinct real senders that must report success to this decode rank."""
+        return sum(1 for t in self.targets if not t.is_dummy)
 
 
 def check_compatible(instance: PrefillInstance, *, page_size: int, kv_dtype: str, is_mla: bool) -> None:
@@ -63,61 +115,262 @@ def check_compatible(instance: PrefillInstance, *, page_size: int, kv_dtype: str
             raise LayoutMismatch(f"{name} mismatch: prefill has {theirs!r}, decode has {ours!r}")
 
 
-def plan_targets(instance: PrefillInstance, *, room: int, tp_size: int, engine_rank: int,
-                 pp_size: int = 1) -> TargetPlan:
-    """Resolve the target ranks of one room.
+def _check_tp(tp_prefill: int, tp_decode: int) -> None:
+    if tp_prefill % tp_decode and tp_decode % tp_prefill:
+        raise LayoutMismatch(f"tp_size mismatch: prefill has {tp_prefill}, decode has {tp_decode}; "
+                             f"one must divide the other")
 
-    Supported here: equal attention TP, prefill PP = 1; the DP group is ``room % dp_size``.
-    Other layouts are refused with a LayoutMismatch that names both sides.
-    """
-    if instance.tp_size != tp_size:
-        raise LayoutMismatch(f"tp_size mismatch: prefill has {instance.tp_size}, decode has {tp_size} "
-                             f"(heterogeneous TP is not supported yet)")
-    if instance.pp_size != 1 or pp_size != 1:
-        raise LayoutMismatch(f"pipeline parallelism is not supported yet: prefill pp_size "
-                             f"{instance.pp_size}, decode pp_size {pp_size}")
+
+def head_group(rank: int, tp_size: int, total_heads: int) -> int:
+    """Which group of heads a rank holds (ranks beyond the head count replicate)."""
+    return rank // max(1, tp_size // total_heads)
+
+
+def plan_targets(instance: PrefillInstance, *, room: int, tp_size: int, engine_rank: int,
+                 pp_size: int = 1, pp_rank: int = 0, is_mla: bool = False,
+                 total_kv_heads: int = 1) -> TargetPlan:
+    """Resolve the target ranks of one room (the DP group is ``room % dp_size``)."""
+    tp_p, tp_d = instance.tp_size, tp_size
+    _check_tp(tp_p, tp_d)
+    if pp_size == instance.pp_size:
+        stages = [pp_rank]
+    elif pp_size == 1:
+        stages = list(range(instance.pp_size))
+    else:
+        raise LayoutMismatch(f"pp_size mismatch: prefill has {instance.pp_size}, decode has {pp_size}; "
+                             f"decode PP must be 1 or equal")
+    if tp_d >= tp_p:
+        tps = [engine_rank // (tp_d // tp_p)]
+        required_dst = tp_d // tp_p
+    else:
+        k = tp_p // tp_d
+        tps = list(range(engine_rank * k, (engine_rank + 1) * k))
+        required_dst = 1
+    if is_mla:
+        real = {tps[0]}  # the latent is replicated on every prefill rank: one sender is enough
+    else:
+        real, groups = set(), set()
+        for tp in tps:  # replicated heads (TP > H) are sent once
+            group = head_group(tp, tp_p, total_kv_heads)
+            if group not in groups:
+                groups.add(group)
+                real.add(tp)
     dp = room % instance.dp_size
-    key = (dp, engine_rank % tp_size, 0)
-    rank = instance.ranks.get(key)
-    if rank is None:
-        raise RemoteProtocolError(f"prefill rank dp={key[0]} tp={key[1]} pp={key[2]} is not registered")
-    return TargetPlan(ranks=(rank,), required_dst_info_num=1, required_responses=1)
+    aux_tp, aux_pp = min(real), max(stages)
+    targets = []
+    for pp in reversed(stages):
+        for tp in tps:
+            rank = instance.ranks.get((dp, tp, pp))
+            if rank is None:
+                raise RemoteProtocolError(f"prefill rank dp={dp} tp={tp} pp={pp} is not registered")
+            targets.append(Target(rank, is_dummy=tp not in real, write_aux=(tp, pp) == (aux_tp, aux_pp)))
+    return TargetPlan(tuple(targets), required_dst)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """Per paired entry: bytes of each token row to send, and where (prefill TP != decode TP)."""
+
+    src_offs: U64
+    dst_offs: U64
+    nbytes: U64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatePlan:
+    """How hybrid state travels to one peer (on the last chunk)."""
+
+    kind: str
+    """"items" (whole slots), "blocks" (mamba slices), "pages" or "head_slice" (swa/nsa)."""
+    src_entries: I64
+    dst_entries: I64
+    head_slice: HeadSlice | None = None
+    blocks: tuple[U64, U64, U64] | None = None
+    """(src_offs, dst_offs, lens), each [entries, blocks], for kind "blocks"."""
+    replicated: bool = False
+    """The same bytes are on every prefill rank: only the aux writer sends them."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerPlan:
+    """Everything prefill needs to write into one registered decode rank."""
+
+    src_entries: I64
+    """Local KV entries this peer receives: all of them, 0..n-1 (an unpaired one is refused)."""
+    dst_entries: I64
+    """The paired remote entry of each."""
+    head_slice: HeadSlice | None
+    """None: whole pages (equal TP, or MLA)."""
+    state: StatePlan | None
+
+    @property
+    def whole_pages(self) -> bool:
+        """Pages are copied whole (prepared dlists apply); False for TP head slices."""
+        return self.head_slice is None
+
+
+def _pair(local_ids: Any, remote_ids: Any, what: str) -> tuple[I64, I64]:
+    remote = {key: i for i, key in enumerate(entry_keys(remote_ids))}
+    src, dst = [], []
+    for i, key in enumerate(entry_keys(local_ids)):
+        j = remote.get(key)
+        if j is None:
+            raise LayoutMismatch(f"prefill {what} entry {i} (layer {key[0]}, occurrence {key[1]}) has no decode "
+                                 f"entry with that layer id")
+        src.append(i)
+        dst.append(j)
+    return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+
+
+def head_slice(*, tp_prefill: int, tp_decode: int, prefill_rank: int, decode_rank: int, total_heads: int,
+               prefill_heads: int, decode_heads: int, page_size: int, src_items: U64, dst_items: U64,
+               what: str = "KV") -> HeadSlice:
+    """Byte offsets of the heads one prefill rank sends one decode rank (section 4.6, fixed)."""
+    hs, hd = max(1, total_heads // tp_prefill), max(1, total_heads // tp_decode)
+    if (hs, hd) != (prefill_heads, decode_heads):
+        raise LayoutMismatch(f"kv_head_num inconsistent with total_kv_head_num={total_heads}: prefill has "
+                             f"{prefill_heads} (expected {hs} at TP {tp_prefill}), decode has {decode_heads} "
+                             f"(expected {hd} at TP {tp_decode})")
+    if tp_prefill > tp_decode:
+        src_start, n = 0, hs
+        dst_start = (head_group(prefill_rank, tp_prefill, total_heads) * hs) % hd
+    else:
+        src_start, n = (head_group(decode_rank, tp_decode, total_heads) * hd) % hs, hd
+        dst_start = 0
+    if src_start + n > hs or dst_start + n > hd:
+        raise LayoutMismatch(f"head slice out of range: {n} heads from {src_start} of {hs} into {dst_start} of {hd}")
+    row = np.uint64(page_size * hs)
+    if np.any(src_items % row):
+        raise LayoutMismatch(f"prefill {what} item sizes are not page_size x {hs} heads x head bytes")
+    head_bytes = src_items // row
+    if np.any(dst_items != head_bytes * np.uint64(page_size * hd)):
+        raise LayoutMismatch(f"{what} head size mismatch: prefill has {head_bytes.tolist()[:4]} bytes per head, "
+                             f"decode items {dst_items.tolist()[:4]} are not page_size x {hd} heads of that")
+    return HeadSlice(src_offs=head_bytes * np.uint64(src_start), dst_offs=head_bytes * np.uint64(dst_start),
+                     nbytes=head_bytes * np.uint64(n))
+
+
+def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64, U64, U64]:
+    """Byte blocks of each mamba state entry (section 4.8: aggregation or scatter)."""
+    tp_p, tp_d = local.tp_size, reg.tp_size
+    if local.state_dim_per_tensor is None or not reg.state_dims:
+        raise LayoutMismatch(f"mamba state across TP sizes (prefill {tp_p}, decode {tp_d}) needs "
+                             f"state_dim_per_tensor on both sides")
+    outer_s = local.state_outer or [1] * len(local.state_data_ptrs)
+    outer_d = reg.state_outer or tuple([1] * len(reg.state_ptrs))
+    n_out = int(max(outer_s)) if len(outer_s) else 1
+    shape = (len(src), n_out)
+    src_offs, dst_offs, lens = (np.zeros(shape, dtype=np.uint64) for _ in range(3))
+    for row, (i, j) in enumerate(zip(src.tolist(), dst.tolist(), strict=True)):
+        dim_s, dim_d = int(local.state_dim_per_tensor[i]), int(reg.state_dims[j])
+        outer, item_s, item_d = int(outer_s[i]), int(local.state_item_lens[i]), int(reg.state_item_lens[j])
+        if outer != int(outer_d[j]):
+            raise LayoutMismatch(f"mamba state entry {i}: outer rows differ (prefill {outer}, decode {outer_d[j]})")
+        if dim_s == 0 and dim_d == 0:  # replicated: whole item, written by one sender only
+            if item_s != item_d:
+                raise LayoutMismatch(f"mamba replicated state entry {i}: prefill {item_s} bytes, decode {item_d}")
+            first = tp_p <= tp_d or local.engine_rank % (tp_p // tp_d) == 0
+            lens[row, 0] = item_s if first else 0
+            continue
+        if dim_s == 0 or dim_d == 0 or item_s % (dim_s * outer) or item_d % (dim_d * outer):
+            raise LayoutMismatch(f"mamba state entry {i}: dims {dim_s}/{dim_d} do not divide items {item_s}/{item_d}")
+        bpd = item_s // (dim_s * outer)
+        if bpd != item_d // (dim_d * outer):
+            raise LayoutMismatch(f"mamba state entry {i}: bytes per element row differ "
+                                 f"({bpd} vs {item_d // (dim_d * outer)})")
+        if tp_p >= tp_d:
+            if dim_d != dim_s * (tp_p // tp_d):
+                raise LayoutMismatch(f"mamba state entry {i}: decode dim {dim_d} != prefill dim {dim_s} x "
+                                     f"{tp_p // tp_d}")
+            src_start, dst_start, dims = 0, (local.engine_rank % (tp_p // tp_d)) * dim_s, dim_s
+        else:
+            if dim_s != dim_d * (tp_d // tp_p):
+                raise LayoutMismatch(f"mamba state entry {i}: prefill dim {dim_s} != decode dim {dim_d} x "
+                                     f"{tp_d // tp_p}")
+            src_start, dst_start, dims = (reg.engine_rank * dim_d) % dim_s, 0, dim_d
+        for o in range(outer):
+            src_offs[row, o] = (o * dim_s + src_start) * bpd
+            dst_offs[row, o] = (o * dim_d + dst_start) * bpd
+            lens[row, o] = dims * bpd
+    return src_offs, dst_offs, lens
+
+
+def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
+    if local.state_type != reg.state_type:
+        raise LayoutMismatch(f"state_type mismatch: prefill has {local.state_type!r}, decode has {reg.state_type!r}")
+    if local.state_type == "none":
+        return None
+    local_ids = local.state_layer_ids if local.state_layer_ids is not None else range(len(local.state_data_ptrs))
+    remote_ids = reg.state_layer_ids if reg.state_layer_ids else range(len(reg.state_ptrs))
+    src, dst = _pair(local_ids, remote_ids, "state")
+    items_s = np.asarray(local.state_item_lens, dtype=np.uint64)[src]
+    items_d = np.asarray(reg.state_item_lens, dtype=np.uint64)[dst]
+    same_tp = local.tp_size == reg.tp_size
+    if local.state_type == "nsa" or (same_tp and local.state_type in ("swa", "mamba")) or \
+            (local.state_type == "swa" and local.is_mla):
+        if np.any(items_s != items_d):
+            raise LayoutMismatch(f"{local.state_type} state item sizes differ: prefill "
+                                 f"{items_s.tolist()[:4]}, decode {items_d.tolist()[:4]}")
+        kind = "items" if local.state_type == "mamba" else "pages"
+        return StatePlan(kind, src, dst, replicated=local.state_type == "nsa" or local.is_mla)
+    if local.state_type == "swa":
+        hs = head_slice(tp_prefill=local.tp_size, tp_decode=reg.tp_size, prefill_rank=local.engine_rank,
+                        decode_rank=reg.engine_rank, total_heads=local.total_kv_head_num,
+                        prefill_heads=local.kv_head_num, decode_heads=reg.kv_head_num,
+                        page_size=local.page_size, src_items=items_s, dst_items=items_d, what="SWA")
+        return StatePlan("head_slice", src, dst, head_slice=hs)
+    return StatePlan("blocks", src, dst, blocks=_mamba_blocks(local, reg, src, dst))
+
+
+def plan_peer(local: KVArgs, reg: Register) -> PeerPlan:
+    """Prefill side: validate a decode rank's registration and plan every write into it."""
+    check_registration(local, reg)
+    src, dst = _pair(local.layer_ids, reg.kv_layer_ids, "KV")
+    items_s = np.asarray(local.kv_item_lens, dtype=np.uint64)[src]
+    items_d = np.asarray(reg.kv_item_lens, dtype=np.uint64)[dst]
+    sliced: HeadSlice | None = None
+    if local.is_mla or local.tp_size == reg.tp_size:
+        bad = np.flatnonzero(items_s != items_d)
+        if len(bad):
+            i = int(bad[0])
+            raise LayoutMismatch(f"KV entry {int(src[i])} item size mismatch: prefill has {int(items_s[i])} bytes "
+                                 f"per page, decode has {int(items_d[i])}")
+    else:
+        sliced = head_slice(tp_prefill=local.tp_size, tp_decode=reg.tp_size, prefill_rank=local.engine_rank,
+                            decode_rank=reg.engine_rank, total_heads=local.total_kv_head_num,
+                            prefill_heads=local.kv_head_num, decode_heads=reg.kv_head_num,
+                            page_size=local.page_size, src_items=items_s, dst_items=items_d)
+    return PeerPlan(src, dst, sliced, _state_plan(local, reg))
 
 
 def check_registration(local: KVArgs, reg: Register) -> None:
-    """Prefill side: refuse a decode rank whose buffers cannot receive ours, naming both values."""
+    """Refuse a decode rank whose geometry cannot receive ours, naming both values."""
     checks: list[tuple[str, object, object]] = [
         ("page_size", local.page_size, reg.page_size),
         ("kv_dtype", local.kv_dtype, reg.kv_dtype),
         ("is_mla", local.is_mla, reg.is_mla),
-        ("tp_size", local.tp_size, reg.tp_size),
-        ("number of KV entries", local.num_entries, len(reg.kv_ptrs)),
+        ("total_kv_head_num", local.total_kv_head_num, reg.total_kv_head_num),
         ("number of aux buffers", len(local.aux_data_ptrs), len(reg.aux_ptrs)),
     ]
     for name, ours, theirs in checks:
         if ours != theirs:
             raise LayoutMismatch(f"{name} mismatch: prefill has {ours!r}, decode has {theirs!r}")
+    _check_tp(local.tp_size, reg.tp_size)
     n = len(reg.kv_ptrs)
     if not len(reg.kv_lens) == len(reg.kv_item_lens) == len(reg.kv_layer_ids) == n:
         raise LayoutMismatch("decode registration: kv_ptrs/kv_lens/kv_item_lens/kv_layer_ids lengths differ")
     if not len(reg.aux_lens) == len(reg.aux_item_lens) == len(reg.aux_ptrs):
         raise LayoutMismatch("decode registration: aux_ptrs/aux_lens/aux_item_lens lengths differ")
-    for i, (ours_item, theirs_item) in enumerate(zip(local.kv_item_lens, reg.kv_item_lens, strict=True)):
-        if ours_item != theirs_item:
-            raise LayoutMismatch(f"KV entry {i} item size mismatch: prefill has {ours_item} bytes per page, "
-                                 f"decode has {theirs_item}")
+    if not len(reg.state_lens) == len(reg.state_item_lens) == len(reg.state_ptrs):
+        raise LayoutMismatch("decode registration: state_ptrs/state_lens/state_item_lens lengths differ")
     for i, (ours_item, theirs_item) in enumerate(zip(local.aux_item_lens, reg.aux_item_lens, strict=True)):
         if ours_item != theirs_item:
             raise LayoutMismatch(f"aux buffer {i} row size mismatch: prefill has {ours_item} bytes, "
                                  f"decode has {theirs_item}")
-    if tuple(local.layer_ids) != tuple(reg.kv_layer_ids):
-        raise LayoutMismatch(f"KV layer ids differ: prefill has {list(local.layer_ids)[:8]}..., "
-                             f"decode has {list(reg.kv_layer_ids)[:8]}...")
-    for i, (length, item) in enumerate(zip(reg.kv_lens, reg.kv_item_lens, strict=True)):
-        if item <= 0 or length < item:
-            raise LayoutMismatch(f"decode KV entry {i}: item_len {item} vs data_len {length}")
-    for i, (length, item) in enumerate(zip(reg.aux_lens, reg.aux_item_lens, strict=True)):
-        if item <= 0 or length < item:
-            raise LayoutMismatch(f"decode aux buffer {i}: item_len {item} vs data_len {length}")
+    for what, lens, items in (("KV", reg.kv_lens, reg.kv_item_lens), ("aux", reg.aux_lens, reg.aux_item_lens),
+                              ("state", reg.state_lens, reg.state_item_lens)):
+        for i, (length, item) in enumerate(zip(lens, items, strict=True)):
+            if item <= 0 or length < item:
+                raise LayoutMismatch(f"decode {what} entry {i}: item_len {item} vs data_len {length}")
     if reg.mem_kind not in ("DRAM", "VRAM"):
         raise LayoutMismatch(f"decode mem_kind must be DRAM or VRAM, got {reg.mem_kind!r}")

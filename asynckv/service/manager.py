@@ -29,7 +29,13 @@ from ..errors import (
     PeerUnreachable,
     RemoteProtocolError,
 )
-from ..kernels import aux_descriptors, kv_page_descriptors, prepped_indices
+from ..kernels import (
+    aux_descriptors,
+    block_descriptors,
+    head_slice_descriptors,
+    kv_page_descriptors,
+    prepped_indices,
+)
 from ..layout import KVArgs
 from ..proto.bootstrap import PrefillRank
 from ..proto.messages import (
@@ -42,7 +48,7 @@ from ..proto.messages import (
     TransferInfo,
     VersionMismatch,
 )
-from ..proto.topology import PrefillInstance, check_compatible, check_registration
+from ..proto.topology import PeerPlan, PrefillInstance, check_compatible, plan_peer
 from ..transport.control import ControlChannel
 from ..transport.engine import NixlEngine
 from .bootstrap import BootstrapClient, BootstrapServer, split_addr
@@ -68,12 +74,20 @@ class DecodePeer:
     """Prefill's view of one registered decode rank."""
 
     reg: Register
+    plan: PeerPlan
     num_pages: int
     num_aux_rows: int
+    num_state_slots: int
     kv_ptrs: npt.NDArray[np.uint64]
     kv_item_lens: npt.NDArray[np.uint64]
     aux_ptrs: npt.NDArray[np.uint64]
+    state_ptrs: npt.NDArray[np.uint64]
+    state_item_lens: npt.NDArray[np.uint64]
     remote_dlist: Any = None
+
+    @property
+    def dev(self) -> int:
+        return self.reg.gpu_id if self.reg.mem_kind == "VRAM" else 0
 
     @property
     def name(self) -> str:
@@ -220,8 +234,8 @@ class KVManager:
 
     def _register_memory(self, agent: Any) -> None:
         a = self.kv_args
-        kv = [(int(p), int(n), a.gpu_id if a.mem_kind == "VRAM" else 0, "")
-              for p, n in zip(a.kv_data_ptrs, a.kv_data_lens, strict=True)]
+        kv = [(int(p), int(n), self._dev, "") for p, n in zip(
+            [*a.kv_data_ptrs, *a.state_data_ptrs], [*a.kv_data_lens, *a.state_data_lens], strict=True)]
         self._reg_handles.append(agent.register_memory(kv, a.mem_kind))
         dram = [(int(p), int(n), 0, "") for p, n in zip(a.aux_data_ptrs, a.aux_data_lens, strict=True)]
         dram.append((int(self._scratch.ctypes.data), SCRATCH_BYTES, 0, ""))
@@ -386,22 +400,29 @@ class KVManager:
 
     async def _add_peer(self, reg: Register, fut: asyncio.Future[DecodePeer]) -> None:
         try:
-            check_registration(self.kv_args, reg)
+            plan = plan_peer(self.kv_args, reg)
             peer = DecodePeer(
-                reg=reg,
+                reg=reg, plan=plan,
                 num_pages=min(n // i for n, i in zip(reg.kv_lens, reg.kv_item_lens, strict=True)),
                 num_aux_rows=min((n // i for n, i in zip(reg.aux_lens, reg.aux_item_lens, strict=True)),
                                  default=0),
+                num_state_slots=min((n // i for n, i in zip(reg.state_lens, reg.state_item_lens, strict=True)),
+                                    default=0),
                 kv_ptrs=np.asarray(reg.kv_ptrs, dtype=np.uint64),
                 kv_item_lens=np.asarray(reg.kv_item_lens, dtype=np.uint64),
-                aux_ptrs=np.asarray(reg.aux_ptrs, dtype=np.uint64))
+                aux_ptrs=np.asarray(reg.aux_ptrs, dtype=np.uint64),
+                state_ptrs=np.asarray(reg.state_ptrs, dtype=np.uint64),
+                state_item_lens=np.asarray(reg.state_item_lens, dtype=np.uint64))
             rows = None
-            if self.config.prepped_dlists:
-                rows = self._dlist_rows(peer.kv_ptrs, peer.kv_item_lens, self._kv_items, peer.num_pages,
-                                        reg.gpu_id if reg.mem_kind == "VRAM" else 0)
+            if self._prepped_for(peer):
+                dst = plan.dst_entries  # paired with local entries 0..n-1 in order
+                rows = self._dlist_rows(peer.kv_ptrs[dst], peer.kv_item_lens[dst], self._kv_items,
+                                        peer.num_pages, peer.dev)
             peer.remote_dlist = await self._engine.call(self._connect_peer, reg, rows)
             await self._warm_up(peer)
-        except AsyncKVError as exc:
+        except Exception as exc:  # any failure refuses this peer; it never kills the manager
+            if not isinstance(exc, AsyncKVError):
+                log.exception("setting up decode peer %s failed", reg.decode_id[:8])
             self._peer_setup.pop(reg.decode_id, None)
             fut.set_exception(exc)
             fut.exception()  # retrieved: the refusal is reported to decode below
@@ -484,7 +505,7 @@ class KVManager:
         ``max_descs_per_xfer`` rows each, so huge requests have several handles in flight.
         """
         limit = self.config.max_descs_per_xfer
-        if self.config.prepped_dlists:
+        if self._prepped_for(peer):
             src_idx = prepped_indices(src_pages, self.kv_args.num_pages, self.kv_args.num_entries)
             dst_idx = prepped_indices(dst_pages, peer.num_pages, self.kv_args.num_entries)
             local, remote = self._local_dlist, peer.remote_dlist
@@ -494,9 +515,21 @@ class KVManager:
                         for i in range(0, len(src_idx), limit)]
 
             return build_prepped
-        src, dst = kv_page_descriptors(self._kv_ptrs, peer.kv_ptrs, self._kv_items, peer.kv_item_lens,
-                                       src_pages, dst_pages, self._dev,
-                                       peer.reg.gpu_id if peer.reg.mem_kind == "VRAM" else 0)
+        plan = peer.plan
+        args = (self._kv_ptrs[plan.src_entries], peer.kv_ptrs[plan.dst_entries],
+                self._kv_items[plan.src_entries], peer.kv_item_lens[plan.dst_entries])
+        if plan.head_slice is None:
+            src, dst = kv_page_descriptors(*args, src_pages, dst_pages, self._dev, peer.dev)
+        else:
+            hs = plan.head_slice
+            src, dst = head_slice_descriptors(*args, self.kv_args.page_size, src_pages, dst_pages,
+                                              hs.src_offs, hs.dst_offs, hs.nbytes, self._dev, peer.dev)
+        return self._build_descs(peer, src, dst)
+
+    def _build_descs(self, peer: DecodePeer, src: npt.NDArray[np.uint64],
+                     dst: npt.NDArray[np.uint64]) -> Callable[[Any], list[Any]]:
+        """KV and state entries live in each side's KV memory kind (aux has its own path)."""
+        limit = self.config.max_descs_per_xfer
         kind, remote_kind = self.kv_args.mem_kind, peer.reg.mem_kind
 
         def build_descs(agent: Any) -> list[Any]:
@@ -506,10 +539,37 @@ class KVManager:
 
         return build_descs
 
-    def post(self, build: Callable[[Any], list[Any]], nbytes: int, what: str) -> asyncio.Future[Any]:
+    def _prepped_for(self, peer: DecodePeer) -> bool:
+        return self.config.prepped_dlists and peer.plan.whole_pages
+
+    def build_state(self, peer: DecodePeer, src_idx: npt.NDArray[np.int64],
+                    dst_idx: npt.NDArray[np.int64]) -> tuple[Callable[[Any], list[Any]], int] | None:
+        """Descriptors of a room's hybrid state (last chunk); None when nothing to write."""
+        plan = peer.plan.state
+        if plan is None or len(src_idx) == 0:
+            return None
+        a = self.kv_args
+        sp = np.asarray(a.state_data_ptrs, dtype=np.uint64)[plan.src_entries]
+        si = np.asarray(a.state_item_lens, dtype=np.uint64)[plan.src_entries]
+        dp, di = peer.state_ptrs[plan.dst_entries], peer.state_item_lens[plan.dst_entries]
+        if plan.kind == "blocks" and plan.blocks is not None:
+            src, dst = block_descriptors(sp, dp, si, di, int(src_idx[0]), int(dst_idx[0]), *plan.blocks,
+                                         self._dev, peer.dev)
+        elif plan.kind == "head_slice" and plan.head_slice is not None:
+            hs = plan.head_slice
+            src, dst = head_slice_descriptors(sp, dp, si, di, a.page_size, src_idx, dst_idx, hs.src_offs,
+                                              hs.dst_offs, hs.nbytes, self._dev, peer.dev)
+        else:  # whole items: mamba slots or swa/nsa pages
+            src, dst = kv_page_descriptors(sp, dp, si, di, src_idx, dst_idx, self._dev, peer.dev)
+        if len(src) == 0:
+            return None
+        return self._build_descs(peer, src, dst), int(src[:, 1].sum())
+
+    def post(self, build: Callable[[Any], list[Any]], nbytes: int, what: str,
+             kind: str = "kv") -> asyncio.Future[Any]:
         """Hand a chunk's handles to the engine; the future resolves once all landed."""
-        self.stats["kv_bytes"] += nbytes
-        self.stats["kv_posts"] += 1
+        self.stats[f"{kind}_bytes"] += nbytes
+        self.stats[f"{kind}_posts"] += 1
         return self._engine.post(build, timeout_s=self._deadline_for(nbytes), what=what)
 
     def post_aux(self, peer: DecodePeer, src_row: int, dst_row: int, what: str) -> asyncio.Future[Any]:
@@ -594,6 +654,12 @@ class KVManager:
             kv_layer_ids=a.layer_ids, aux_ptrs=tuple(int(x) for x in a.aux_data_ptrs),
             aux_lens=tuple(int(x) for x in a.aux_data_lens), aux_item_lens=tuple(int(x) for x in a.aux_item_lens),
             scratch_ptr=int(self._scratch.ctypes.data), scratch_len=SCRATCH_BYTES,
+            kv_head_num=a.kv_head_num, total_kv_head_num=a.total_kv_head_num, state_type=a.state_type,
+            state_ptrs=tuple(int(x) for x in a.state_data_ptrs), state_lens=tuple(int(x) for x in a.state_data_lens),
+            state_item_lens=tuple(int(x) for x in a.state_item_lens),
+            state_layer_ids=tuple(int(x) for x in a.state_layer_ids or ()),
+            state_dims=tuple(int(x) for x in a.state_dim_per_tensor or ()),
+            state_outer=tuple(int(x) for x in a.state_outer or ()),
             agent_metadata=self._agent_metadata)
 
     def _on_register_result(self, msg: RegisterResult) -> None:

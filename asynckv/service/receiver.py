@@ -57,11 +57,16 @@ class KVReceiver:
         """The exception that failed the room, or None."""
         return self._state.exception
 
-    async def init(self, page_indices: Any, aux_index: int = -1) -> KVPoll:
-        """Send the destination pages (and aux row, -1 for none) to the prefill rank(s).
+    async def init(self, page_indices: Any, aux_index: int = -1, state_indices: Any = None,
+                   decode_prefix_len: int = 0) -> KVPoll:
+        """Send the destination to the prefill rank(s) of this room.
 
-        Invalid indices raise ``InvalidArgument``; a prefill that cannot be reached or
-        refuses us fails the room (the return value and ``wait()`` say Failed, with a reason).
+        ``page_indices``: decode pages for the prompt after the first ``decode_prefix_len``
+        tokens (which decode already holds; a multiple of page_size). ``aux_index``: the
+        metadata row, -1 for none. ``state_indices``: the request's mamba slot, or its
+        SWA/NSA state pages, for hybrid models. Invalid input raises ``InvalidArgument``; a
+        prefill that cannot be reached or refuses us fails the room (the return value and
+        ``wait()`` say Failed, with a reason).
         """
         if self._initialized:
             raise LocalProtocolError(f"room {self.room}: init() called twice")
@@ -71,21 +76,29 @@ class KVReceiver:
         pages = validate_pages(page_indices, a.num_pages, "decode page indices")
         if aux_index != -1 and not 0 <= aux_index < a.num_aux_rows:
             raise InvalidArgument(f"aux_index {aux_index} outside the registered aux rows [0, {a.num_aux_rows})")
+        state = validate_pages([] if state_indices is None else state_indices, a.num_state_slots,
+                               "decode state indices")
+        if type(decode_prefix_len) is not int or decode_prefix_len < 0 or decode_prefix_len % a.page_size:
+            raise InvalidArgument(f"decode_prefix_len must be a multiple of page_size {a.page_size}, "
+                                  f"got {decode_prefix_len!r}")
         self._initialized = True
         self._timer = self._loop.call_later(self._mgr.config.waiting_timeout_s, self._on_waiting_timeout)
         try:
             instance = await self._mgr.prefill_instance(self.bootstrap_addr)
             plan = plan_targets(instance, room=self.room, tp_size=a.tp_size, engine_rank=a.engine_rank,
-                                pp_size=a.pp_size)
+                                pp_size=a.pp_size, pp_rank=a.pp_rank, is_mla=a.is_mla,
+                                total_kv_heads=a.total_kv_head_num)
             self._plan = plan
             for rank in plan.ranks:
                 await self._mgr.ensure_registered(rank)
-            dst = pages.astype(np.int32)
-            for rank in plan.ranks:
+            dst, dst_state, empty = pages.astype(np.int32), state.astype(np.int32), np.empty(0, dtype=np.int32)
+            for target in plan.targets:
                 if self._state.done:
                     break
-                await self._mgr.send_control(rank.endpoint, TransferInfo(
-                    self.room, self._mgr.name, int(aux_index), plan.required_dst_info_num, dst))
+                await self._mgr.send_control(target.rank.endpoint, TransferInfo(
+                    self.room, self._mgr.name, int(aux_index), plan.required_dst_info_num, target.is_dummy,
+                    target.write_aux, decode_prefix_len, empty if target.is_dummy else dst,
+                    empty if target.is_dummy else dst_state))
         except AsyncKVError as exc:
             self._fail(exc)
             return self._state.state

@@ -88,9 +88,16 @@ class KVSender:
         if self._state.state == KVPoll.WaitingForInput:
             self._check_destinations()
 
-    async def send(self, page_indices: Any) -> None:
+    @property
+    def decode_prefix_len(self) -> int:
+        """Tokens decode already holds (known once ready); send only the pages after them."""
+        return max((info.decode_prefix_len for info in self._infos.values()), default=0)
+
+    async def send(self, page_indices: Any, state_indices: Any = None) -> None:
         """Post one chunk: prefill page indices, the next slice of decode's destination.
 
+        The chunk that reaches ``num_pages`` is the last; it also writes the aux row and the
+        hybrid state (``state_indices``: the request's mamba slot, or its SWA/NSA pages).
         Returns once the chunk is handed to the data plane; ``wait()`` reports the outcome.
         A room that already failed ignores further chunks.
         """
@@ -102,31 +109,54 @@ class KVSender:
             raise LocalProtocolError(f"room {self.room}: send() in state {self._state.state.name}")
         if self._last_posted:
             raise LocalProtocolError(f"room {self.room}: the last chunk was already sent")
-        pages = validate_pages(page_indices, self._mgr.kv_args.num_pages, "prefill page indices")
+        args = self._mgr.kv_args
+        pages = validate_pages(page_indices, args.num_pages, "prefill page indices")
         n = len(pages)
         if self._cursor + n > self._num_pages:
             raise InvalidArgument(f"room {self.room}: chunk of {n} pages overruns num_pages={self._num_pages} "
                                   f"(already sent {self._cursor})")
+        is_last = self._cursor + n == self._num_pages
+        state = None
+        if state_indices is not None:
+            if not is_last:
+                raise InvalidArgument(f"room {self.room}: state_indices go with the last chunk")
+            state = validate_pages(state_indices, args.num_state_slots, "prefill state indices")
         start = self._cursor
         self._cursor += n
-        is_last = self._cursor == self._num_pages
         self._last_posted = is_last
         self._state.apply(Event.CHUNK_POSTED)
         try:
             for name, info in self._infos.items():
+                if info.is_dummy:
+                    continue
                 peer = self._mgr.peer(name)
                 if peer is None:
                     raise RemoteProtocolError(f"decode peer {name[:8]} is no longer registered")
                 if n:
                     await self._post_kv(peer, pages, info.dst_pages[start:start + n].astype(np.int64), start)
-                if is_last and self._aux_index >= 0 and info.aux_index >= 0:
-                    self._track(self._mgr.post_aux(peer, self._aux_index, info.aux_index,
-                                                   f"room {self.room} aux"))
+                if is_last:
+                    self._post_last(peer, info, state)
         except AsyncKVError as exc:
             self._fail(exc)
             return
         if is_last:
             self._maybe_conclude()
+
+    def _post_last(self, peer: DecodePeer, info: TransferInfo, state: npt.NDArray[np.int64] | None) -> None:
+        """Aux row (one writer per destination) and hybrid state, with the last chunk."""
+        if info.write_aux and self._aux_index >= 0 and info.aux_index >= 0:
+            self._track(self._mgr.post_aux(peer, self._aux_index, info.aux_index, f"room {self.room} aux"))
+        plan = peer.plan.state
+        if plan is None or len(info.dst_state_indices) == 0 or (plan.replicated and not info.write_aux):
+            return
+        if state is None or len(state) != len(info.dst_state_indices):
+            got = "none" if state is None else len(state)
+            raise InvalidArgument(f"room {self.room}: decode expects {len(info.dst_state_indices)} state "
+                                  f"indices, the last chunk carried {got}")
+        built = self._mgr.build_state(peer, state, info.dst_state_indices.astype(np.int64))
+        if built is not None:
+            build, nbytes = built
+            self._track(self._mgr.post(build, nbytes, f"room {self.room} state", kind="state"))
 
     async def wait(self, timeout: float | None = None) -> KVPoll:
         """Wait for the room's outcome: Success or Failed (never raises for a failed transfer).
@@ -166,10 +196,14 @@ class KVSender:
             return
         try:
             validate_pages(info.dst_pages, peer.num_pages, "decode destination pages")
+            validate_pages(info.dst_state_indices, peer.num_state_slots, "decode state indices")
             if info.aux_index != -1 and not 0 <= info.aux_index < peer.num_aux_rows:
                 raise InvalidArgument(f"decode aux_index {info.aux_index} outside [0, {peer.num_aux_rows})")
             if info.required_dst_info_num < 1:
                 raise InvalidArgument("required_dst_info_num must be >= 1")
+            if info.decode_prefix_len % self._mgr.kv_args.page_size:
+                raise InvalidArgument(f"decode_prefix_len {info.decode_prefix_len} is not a multiple of "
+                                      f"page_size {self._mgr.kv_args.page_size}")
         except InvalidArgument as exc:
             self._infos[info.decode_id] = info  # so the failure reaches that decode
             self._fail(RemoteProtocolError(f"room {self.room}: {exc}"))
@@ -186,7 +220,7 @@ class KVSender:
 
     def _check_destinations(self) -> None:
         for info in self._infos.values():
-            if len(info.dst_pages) != self._num_pages:
+            if not info.is_dummy and len(info.dst_pages) != self._num_pages:
                 self._fail(InvalidArgument(
                     f"room {self.room}: decode expects {len(info.dst_pages)} pages, prefill will send "
                     f"{self._num_pages}"))
@@ -251,7 +285,8 @@ class KVSender:
             self._done.set_result(self._state.state)
 
     def _notify(self, ok: bool, reason: str) -> None:
-        peers = (self._mgr.peer(name) for name in self._infos)
+        """Status to every decode destination; dummies report failures only (decode counts real senders)."""
+        peers = (self._mgr.peer(name) for name, info in self._infos.items() if not ok or not info.is_dummy)
         for endpoint in {peer.endpoint for peer in peers if peer is not None}:
             if not self._mgr._closed:
                 self._mgr._spawn(self._mgr.send_status(endpoint, self.room, ok, reason),

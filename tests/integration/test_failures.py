@@ -153,7 +153,8 @@ async def test_out_of_range_destination_from_a_peer_fails_the_room_before_any_wr
     async with make_pair() as pair:
         assert await transfer_room(pair, 29, [0], [0]) == (KVPoll.Success, KVPoll.Success)  # registers decode
         sender = pair.prefill.sender(30)
-        bad = TransferInfo(30, pair.decode.name, -1, 1, np.array([3, 64], dtype=np.int32))
+        bad = TransferInfo(30, pair.decode.name, -1, 1, False, True, 0, np.array([3, 64], dtype=np.int32),
+                           np.empty(0, dtype=np.int32))
         await pair.decode.send_control(pair.prefill.endpoint, bad)
         assert await sender.wait(5) == KVPoll.Failed
         assert "decode destination pages: index 64 outside the registered range [0, 64)" in (

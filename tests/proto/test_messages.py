@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -56,8 +57,10 @@ def test_header_layout_is_magic_version_type() -> None:
 def test_transfer_info_pages_are_little_endian_int32() -> None:
     frames = encode(SAMPLES["transfer_info"])
     assert frames[2] == np.array([7, 3, 4, 5, 0], dtype="<i4").tobytes()
+    assert frames[3] == np.array([11], dtype="<i4").tobytes()
     assert json.loads(frames[1]) == {"aux_index": 3, "decode_id": "0b6f3a52-decode", "required_dst_info_num": 1,
-                                     "room": 2**63 - 1}
+                                     "room": 2**63 - 1, "is_dummy": False, "write_aux": True,
+                                     "decode_prefix_len": 32}
 
 
 def test_version_mismatch_names_both_versions_and_keeps_the_body() -> None:
@@ -80,7 +83,7 @@ def test_version_mismatch_names_both_versions_and_keeps_the_body() -> None:
     (lambda f: [f[0], json.dumps({**json.loads(f[1]), "aux_index": "3"}).encode(), *f[2:]], "integer"),
     (lambda f: [f[0], json.dumps({**json.loads(f[1]), "aux_index": True}).encode(), *f[2:]], "integer"),
     (lambda f: [f[0], b'{"room": 1}', *f[2:]], "missing field"),
-    (lambda f: [*f[:2], f[2][:-1]], "int32"),
+    (lambda f: [*f[:2], f[2][:-1], f[3]], "int32"),
     (lambda f: [*f, b"extra"], "binary frames"),
 ])
 def test_malformed_transfer_info_is_refused_with_a_reason(mutate, needle) -> None:  # type: ignore[no-untyped-def]
@@ -92,8 +95,9 @@ def test_malformed_transfer_info_is_refused_with_a_reason(mutate, needle) -> Non
 def test_transfer_info_equality_compares_pages() -> None:
     a = SAMPLES["transfer_info"]
     assert isinstance(a, TransferInfo)
-    b = TransferInfo(a.room, a.decode_id, a.aux_index, a.required_dst_info_num, a.dst_pages[::-1].copy())
+    b = dataclasses.replace(a, dst_pages=a.dst_pages[::-1].copy())
     assert a != b
+    assert a == dataclasses.replace(a, dst_pages=a.dst_pages.copy())
 
 
 @settings(max_examples=300, deadline=None)

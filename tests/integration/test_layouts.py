@@ -1,0 +1,92 @@
+"""Every parallel layout, checked byte for byte against a sharded numpy reference model.
+
+Real managers (one NIXL agent each, several per process), real ZMQ and bootstrap server.
+The default run covers a representative subset; the whole matrix (prefill TP x decode TP
+in {1,2,4,8}, H in {1,2,4,8}, prefill PP in {1,2}, MHA and MLA) is marked slow.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from .model import Layout, check_decode, cluster, run_room
+
+pytestmark = pytest.mark.integration
+
+TPS = (1, 2, 4, 8)
+
+
+def full_matrix() -> list[Layout]:
+    mha = itertools.product(TPS, TPS, TPS, (1, 2))
+    mla = itertools.product(TPS, TPS, (1, 2))
+    layouts = [Layout(tp_p, tp_d, h, pp_prefill=pp) for tp_p, tp_d, h, pp in mha]
+    layouts += [Layout(tp_p, tp_d, 1, pp_prefill=pp, mla=True) for tp_p, tp_d, pp in mla]
+    return layouts
+
+
+REPRESENTATIVE = [
+    Layout(1, 1, 8), Layout(4, 2, 8), Layout(2, 4, 8), Layout(8, 2, 2), Layout(2, 8, 4), Layout(8, 8, 1),
+    Layout(4, 1, 8, pp_prefill=2), Layout(2, 2, 4, pp_prefill=2, pp_decode=2), Layout(1, 4, 1),
+    Layout(4, 1, 1, mla=True), Layout(1, 4, 1, mla=True), Layout(2, 2, 1, pp_prefill=2, mla=True),
+]
+
+
+def layout_id(lay: Layout) -> str:
+    kind = "mla" if lay.mla else f"h{lay.heads}"
+    extra = f"-{lay.state}" if lay.state != "none" else ""
+    extra += f"-draft{lay.draft_layers}" if lay.draft_layers else ""
+    return f"tp{lay.tp_prefill}to{lay.tp_decode}-pp{lay.pp_prefill}to{lay.pp_decode}-{kind}{extra}"
+
+
+async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2) -> None:
+    rng = np.random.default_rng(hash(layout_id(lay)) % 2**32)
+    async with cluster(lay) as (prefill, decode, addr):
+        for room in range(1, rooms + 1):
+            for r in decode:  # each room checks its own pages only
+                for arr in r.kv + r.state:
+                    arr[:] = 0
+            dst = await run_room(lay, prefill, decode, addr, room * 1000 + 7, 7, rng, prefix_pages=prefix_pages)
+            check_decode(lay, prefill, decode, room * 1000 + 7, 7, dst, prefix_pages=prefix_pages)
+        for r in prefill + decode:
+            assert r.mgr is not None
+            assert all(v == 0 for v in r.mgr.room_counts().values())
+
+
+@pytest.mark.parametrize("lay", REPRESENTATIVE, ids=layout_id)
+async def test_layout(lay: Layout) -> None:
+    await check_layout(lay)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lay", [lay for lay in full_matrix() if lay not in REPRESENTATIVE], ids=layout_id)
+async def test_layout_full_matrix(lay: Layout) -> None:
+    await check_layout(lay, rooms=1)
+
+
+@pytest.mark.parametrize("lay", [
+    Layout(2, 2, 4, state="mamba"), Layout(4, 2, 4, state="mamba"), Layout(2, 4, 4, state="mamba"),
+    Layout(2, 1, 4, pp_prefill=2, state="mamba"),
+    Layout(2, 2, 4, state="swa"), Layout(4, 2, 8, state="swa"), Layout(1, 2, 2, state="swa"),
+    Layout(2, 2, 4, state="nsa"), Layout(4, 1, 4, state="nsa"), Layout(2, 4, 1, mla=True, state="nsa"),
+], ids=layout_id)
+async def test_hybrid_state(lay: Layout) -> None:
+    await check_layout(lay)
+
+
+@pytest.mark.parametrize("lay", [Layout(2, 2, 4), Layout(4, 2, 8, state="mamba"), Layout(2, 1, 1, mla=True)],
+                         ids=layout_id)
+async def test_decode_prefix_reuse(lay: Layout) -> None:
+    await check_layout(lay, prefix_pages=3)
+
+
+async def test_full_prefix_hit_still_sends_aux_and_state() -> None:
+    await check_layout(Layout(2, 2, 4, state="mamba"), prefix_pages=7)
+
+
+@pytest.mark.parametrize("lay", [Layout(2, 2, 4, draft_layers=1), Layout(4, 2, 8, draft_layers=2),
+                                 Layout(2, 1, 1, mla=True, draft_layers=1)], ids=layout_id)
+async def test_speculative_draft_entries(lay: Layout) -> None:
+    await check_layout(lay)
