@@ -21,6 +21,8 @@ _LEGACY_ENV: dict[str, str] = {
     "bootstrap_timeout_s": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
     "waiting_timeout_s": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
     "nixl_backend": "SGLANG_DISAGGREGATION_NIXL_BACKEND",
+    "heartbeat_interval_s": "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",
+    "heartbeat_max_failures": "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
 }
 
 
@@ -64,6 +66,25 @@ class Config:
     """Prefill: destinations that arrived before their sender was created, kept at most."""
     early_info_ttl_s: float = 600.0
     """Prefill: how long an early destination is kept before it is dropped."""
+    heartbeat_interval_s: float = 1.0
+    """Both sides ping every peer they work with this often."""
+    heartbeat_max_failures: int = 3
+    """A peer unheard for interval x this many is declared dead; its rooms fail (default 3 s)."""
+    fence_timeout_s: float = 5.0
+    """Decode: longest wait for prefill to confirm it writes no more into a failed room's pages;
+    after it, the silent prefill is declared dead."""
+    max_peers: int = 4096
+    """Registered peers kept at most per manager; registrations beyond are refused."""
+    max_inflight_bytes: int = 8 * 2**30
+    """Prefill: bytes posted but not yet landed, at most (a larger single chunk waits to go alone)."""
+    auth_token: str = ""
+    """Shared secret; when set, every control message and mutating bootstrap request is
+    authenticated (HMAC-SHA256 with a freshness window). Also ASYNCKV_AUTH_TOKEN."""
+
+    def __repr__(self) -> str:  # never print the secret
+        fields = ", ".join(f"{f.name}={'***' if f.name == 'auth_token' and self.auth_token else getattr(self, f.name)!r}"
+                           for f in dataclasses.fields(self))
+        return f"Config({fields})"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -71,7 +92,7 @@ class Config:
             if f.name.endswith("_s") and not value > 0:
                 raise InvalidArgument(f"config {f.name} must be > 0, got {value!r}")
         for name in ("register_attempts", "max_descs_per_xfer", "offload_min_descs",
-                     "max_rooms", "max_early_infos"):
+                     "max_rooms", "max_early_infos", "heartbeat_max_failures", "max_peers", "max_inflight_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"config {name} must be >= 1, got {getattr(self, name)!r}")
         if not self.host:

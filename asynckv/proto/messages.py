@@ -29,6 +29,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
     "Message",
+    "Ping",
+    "Pong",
     "Register",
     "RegisterResult",
     "Status",
@@ -74,7 +76,8 @@ class Register(Message):
 
     TYPE: ClassVar[int] = 1
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("decode_id", "str"), ("endpoint", "str"), ("engine_rank", "uint"), ("tp_size", "uint"),
+        ("decode_id", "str"), ("prefill_id", "str"), ("endpoint", "str"), ("engine_rank", "uint"),
+        ("tp_size", "uint"),
         ("page_size", "uint"), ("kv_dtype", "str"), ("mem_kind", "str"), ("is_mla", "bool"),
         ("gpu_id", "uint"), ("kv_ptrs", "ints"), ("kv_lens", "ints"), ("kv_item_lens", "ints"),
         ("kv_layer_ids", "ints"), ("aux_ptrs", "ints"), ("aux_lens", "ints"),
@@ -86,6 +89,8 @@ class Register(Message):
     )
     decode_id: str
     """Decode NIXL agent name (unique per process lifetime)."""
+    prefill_id: str
+    """The prefill incarnation decode expects; a restarted prefill refuses, naming both."""
     endpoint: str
     """Decode control endpoint, ``tcp://host:port``, for replies and status."""
     engine_rank: int
@@ -141,11 +146,13 @@ class TransferInfo(Message):
 
     TYPE: ClassVar[int] = 3
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("room", "room"), ("decode_id", "str"), ("aux_index", "int"),
+        ("room", "room"), ("decode_id", "str"), ("prefill_id", "str"), ("aux_index", "int"),
         ("required_dst_info_num", "uint"), ("is_dummy", "bool"), ("write_aux", "bool"),
         ("decode_prefix_len", "uint"), ("dst_pages", "i32"), ("dst_state_indices", "i32"))
     room: int
     decode_id: str
+    prefill_id: str
+    """The prefill incarnation (agent name) decode means; a restarted prefill refuses the room."""
     aux_index: int
     """Destination aux row, or -1 for none."""
     required_dst_info_num: int
@@ -163,7 +170,7 @@ class TransferInfo(Message):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TransferInfo):
             return NotImplemented
-        scalars = ("room", "decode_id", "aux_index", "required_dst_info_num", "is_dummy", "write_aux",
+        scalars = ("room", "decode_id", "prefill_id", "aux_index", "required_dst_info_num", "is_dummy", "write_aux",
                    "decode_prefix_len")
         return all(getattr(self, f) == getattr(other, f) for f in scalars) \
             and np.array_equal(self.dst_pages, other.dst_pages) \
@@ -176,11 +183,14 @@ class Status(Message):
 
     TYPE: ClassVar[int] = 4
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("room", "room"), ("sender_rank", "uint"), ("ok", "bool"), ("reason", "str"))
+        ("room", "room"), ("prefill_id", "str"), ("sender_rank", "uint"), ("ok", "bool"), ("reason", "str"))
     room: int
+    prefill_id: str
+    """Agent name (incarnation) of the prefill sender."""
     sender_rank: int
     """Unique rank of the prefill sender (distinct senders are counted, never keys)."""
     ok: bool
+    """True: every write landed. False: the room failed and this rank writes nothing more."""
     reason: str
 
 
@@ -196,8 +206,29 @@ class Abort(Message):
     reason: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Heartbeat request; the receiver answers Pong to ``endpoint``."""
+
+    TYPE: ClassVar[int] = 6
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (("sender_id", "str"), ("endpoint", "str"), ("seq", "uint"))
+    sender_id: str
+    endpoint: str
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pong(Message):
+    """Heartbeat answer, naming the answering incarnation (a restart shows up here)."""
+
+    TYPE: ClassVar[int] = 7
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (("sender_id", "str"), ("seq", "uint"))
+    sender_id: str
+    seq: int
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls for cls in (Register, RegisterResult, TransferInfo, Status, Abort)
+    cls.TYPE: cls for cls in (Register, RegisterResult, TransferInfo, Status, Abort, Ping, Pong)
 }
 
 

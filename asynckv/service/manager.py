@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from ..errors import (
     InvalidArgument,
     LayoutMismatch,
     LocalProtocolError,
+    PeerRestarted,
     PeerUnreachable,
     RemoteProtocolError,
 )
@@ -42,12 +44,15 @@ from ..proto.messages import (
     MAX_ROOM,
     Abort,
     Message,
+    Ping,
+    Pong,
     Register,
     RegisterResult,
     Status,
     TransferInfo,
     VersionMismatch,
 )
+from ..proto.peers import Liveness, PeerState
 from ..proto.topology import PeerPlan, PrefillInstance, check_compatible, plan_peer
 from ..transport.control import ControlChannel
 from ..transport.engine import NixlEngine
@@ -104,7 +109,8 @@ class _EarlyRoom:
 
     deadline: float
     infos: dict[str, TransferInfo] = dataclasses.field(default_factory=dict)
-    aborted: str | None = None
+    aborted: tuple[str, str] | None = None
+    """(decode_id, reason) of an abort that came before the sender."""
 
 
 class KVManager:
@@ -144,11 +150,16 @@ class KVManager:
         self._peers: dict[str, DecodePeer] = {}
         self._peer_setup: dict[str, asyncio.Future[DecodePeer]] = {}
         self._early: collections.OrderedDict[int, _EarlyRoom] = collections.OrderedDict()
+        self._inflight_bytes = 0
+        self._inflight_changed = asyncio.Condition()
         # decode
         self._receivers: dict[int, KVReceiver] = {}
         self._instances: dict[str, PrefillInstance] = {}
         self._instance_locks: dict[str, asyncio.Lock] = {}
         self._registrations: dict[str, asyncio.Future[None]] = {}
+        self._rank_addr: dict[str, str] = {}
+        # both: heartbeats to every peer we work with (decode ranks, or prefill ranks)
+        self._liveness = Liveness(self.config.heartbeat_interval_s, self.config.heartbeat_max_failures)
 
         kv_ptrs, _, kv_items = kv_args.kv_arrays()
         self._kv_ptrs = kv_ptrs
@@ -199,6 +210,7 @@ class KVManager:
             await self._control.start()
             if self.mode is Mode.PREFILL:
                 await self._start_prefill()
+            self._spawn(self._heartbeat_loop(), "asynckv-heartbeat")
         except BaseException:
             await self.close()
             raise
@@ -215,6 +227,8 @@ class KVManager:
             recv._fail(ClosedError("manager closed"))
         for task in list(self._tasks):
             task.cancel()
+        async with self._inflight_changed:
+            self._inflight_changed.notify_all()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._my_rank is not None and self.bootstrap_addr is not None:
@@ -286,6 +300,71 @@ class KVManager:
         if not task.cancelled() and task.exception() is not None:
             log.error("task %s failed", task.get_name(), exc_info=task.exception())
 
+    # -- liveness --------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        """Ping every peer each interval; declare dead the ones unheard for too long."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            now = time.monotonic()
+            for state in self._liveness.expired(now):
+                self._peer_dead(state, PeerUnreachable(
+                    f"peer {state.peer_id[:8]} at {state.endpoint} unheard for {now - state.last_seen:.1f}s "
+                    f"(heartbeat every {self.config.heartbeat_interval_s:g}s, "
+                    f"{self.config.heartbeat_max_failures} misses allowed)"))
+            for _peer_id, endpoint, seq in self._liveness.pings_due(now):
+                self._spawn(self._reply(endpoint, Ping(self.name, self.endpoint, seq)), "asynckv-ping")
+
+    def _on_pong(self, msg: Pong) -> None:
+        now = time.monotonic()
+        if msg.sender_id in self._liveness:
+            self._liveness.on_pong(msg.sender_id, msg.seq, now)
+            return
+        self._drop("stale", f"pong from untracked {msg.sender_id[:8]}")
+
+    def liveness(self, peer_id: str) -> PeerState | None:
+        """Heartbeat and lease state of a peer this manager works with."""
+        return self._liveness.get(peer_id)
+
+    def declare_dead(self, peer_id: str, exc: BaseException) -> None:
+        """Treat a peer as dead now: fail exactly the rooms that involve it, forget it."""
+        state = self._liveness.remove(peer_id)
+        if state is None:
+            state = PeerState(peer_id, "", 0.0, 0.0)
+        self._peer_dead(state, exc)
+
+    def _peer_dead(self, state: PeerState, exc: BaseException) -> None:
+        log.warning("%s: %s", self.mode.value, exc)
+        self.stats["peers_dead"] += 1
+        if self.mode is Mode.PREFILL:
+            self._engine.cancel_peer(state.peer_id, exc)
+            peer = self._peers.pop(state.peer_id, None)
+            for sender in list(self._senders.values()):
+                sender._on_peer_dead(state.peer_id, exc)
+            if peer is not None:
+                self._spawn(self._engine.call(self._drop_peer_agent, peer), "asynckv-remove-peer")
+                if self._control is not None:
+                    self._control.forget(peer.endpoint)
+        else:
+            addr = self._rank_addr.pop(state.peer_id, None)
+            self._registrations.pop(state.peer_id, None)
+            if addr is not None:  # a new incarnation behind that address will be looked up afresh
+                self._instances.pop(addr, None)
+            for recv in list(self._receivers.values()):
+                recv._on_peer_dead(state.peer_id, exc)
+            if self._control is not None and state.endpoint:
+                self._control.forget(state.endpoint)
+
+    @staticmethod
+    def _drop_peer_agent(agent: Any, peer: DecodePeer) -> None:
+        if peer.remote_dlist is not None:
+            agent.release_dlist_handle(peer.remote_dlist)
+            peer.remote_dlist = None
+        try:
+            agent.remove_remote_agent(peer.name)
+        except Exception:
+            log.debug("remove_remote_agent(%s) failed", peer.name, exc_info=True)
+
     # -- prefill ---------------------------------------------------------------------
 
     async def _start_prefill(self) -> None:
@@ -326,7 +405,7 @@ class KVManager:
         early = self._early.pop(room, None)
         if early is not None:
             if early.aborted is not None:
-                sender._on_abort(early.aborted)
+                sender._on_abort(*early.aborted)
             for info in early.infos.values():
                 sender._on_destination(info)
         return sender
@@ -350,6 +429,13 @@ class KVManager:
 
     def _on_message(self, msg: Message) -> None:
         self.stats[f"msg_{type(msg).__name__}"] += 1
+        if isinstance(msg, Ping):
+            self._liveness.heard(msg.sender_id, time.monotonic())
+            self._spawn(self._reply(msg.endpoint, Pong(self.name, msg.seq)), "asynckv-pong")
+            return
+        if isinstance(msg, Pong):
+            self._on_pong(msg)
+            return
         if self.mode is Mode.PREFILL:
             if isinstance(msg, Register):
                 self._on_register(msg)
@@ -388,6 +474,17 @@ class KVManager:
             log.warning("could not send %s to %s: %s", type(msg).__name__, endpoint, exc)
 
     def _on_register(self, reg: Register) -> None:
+        if reg.prefill_id != self.name:
+            reason = (f"prefill restarted: decode expected incarnation {reg.prefill_id[:8]}, "
+                      f"this is {self.name[:8]}")
+            self._spawn(self._reply(reg.endpoint, RegisterResult(reg.prefill_id, reg.decode_id, False, reason)),
+                        "asynckv-refuse-stale")
+            return
+        if reg.decode_id not in self._peers and len(self._peers) + len(self._peer_setup) >= self.config.max_peers:
+            reason = f"too many decode peers ({self.config.max_peers})"
+            self._spawn(self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, False, reason)),
+                        "asynckv-refuse-full")
+            return
         if reg.decode_id in self._peers:
             self._spawn(self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, True, "")),
                         "asynckv-register-again")
@@ -432,6 +529,7 @@ class KVManager:
             return
         self._peer_setup.pop(reg.decode_id, None)
         self._peers[reg.decode_id] = peer
+        self._liveness.add(reg.decode_id, reg.endpoint, time.monotonic())
         fut.set_result(peer)
         self.stats["peers_added"] += 1
         await self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, True, ""))
@@ -460,6 +558,9 @@ class KVManager:
         await self._engine.post(build, timeout_s=self.config.handshake_timeout_s, what="warm-up")
 
     def _on_transfer_info(self, info: TransferInfo) -> None:
+        if info.prefill_id != self.name:
+            self._drop("stale_incarnation", f"room {info.room} meant for {info.prefill_id[:8]}")
+            return
         sender = self._senders.get(info.room)
         if sender is not None:
             sender._on_destination(info)
@@ -475,13 +576,19 @@ class KVManager:
         early.infos[info.decode_id] = info
 
     def _on_abort(self, msg: Abort) -> None:
+        """Fail the room; decode learns that nothing more will be written from a Status
+        (sent by the sender once its in-flight writes settled, or at once if it has none)."""
         sender = self._senders.get(msg.room)
         if sender is not None:
-            sender._on_abort(msg.reason)
+            sender._on_abort(msg.decode_id, msg.reason)
             return
         early = self._early.get(msg.room)
         if early is not None:
-            early.aborted = msg.reason
+            early.aborted = (msg.decode_id, msg.reason)
+        peer = self._peers.get(msg.decode_id)
+        if peer is not None:  # nothing of this room is in flight here
+            self._spawn(self.send_status(peer.endpoint, msg.room, False, f"aborted by decode: {msg.reason}"),
+                        "asynckv-abort-ack")
 
     def _expire_early(self) -> None:
         now = self.loop.time()
@@ -565,28 +672,44 @@ class KVManager:
             return None
         return self._build_descs(peer, src, dst), int(src[:, 1].sum())
 
-    def post(self, build: Callable[[Any], list[Any]], nbytes: int, what: str,
-             kind: str = "kv") -> asyncio.Future[Any]:
-        """Hand a chunk's handles to the engine; the future resolves once all landed."""
+    async def post(self, peer: DecodePeer, build: Callable[[Any], list[Any]], nbytes: int, what: str,
+                   kind: str = "kv") -> asyncio.Future[Any]:
+        """Hand handles to the engine once in-flight bytes allow; the returned future resolves
+        when all landed. Posts only while the peer's write lease is valid."""
+        async with self._inflight_changed:
+            await self._inflight_changed.wait_for(
+                lambda: self._closed or self._inflight_bytes == 0
+                or self._inflight_bytes + nbytes <= self.config.max_inflight_bytes)
+        if self._closed:
+            raise ClosedError("manager closed")
+        self._inflight_bytes += nbytes
         self.stats[f"{kind}_bytes"] += nbytes
         self.stats[f"{kind}_posts"] += 1
-        return self._engine.post(build, timeout_s=self._deadline_for(nbytes), what=what)
+        lease = self._liveness.get(peer.name)
+        fut = self._engine.post(build, timeout_s=self._deadline_for(nbytes), what=what, peer=peer.name,
+                                may_write=None if lease is None else (lambda: time.monotonic() < lease.lease_until))
+        fut.add_done_callback(lambda _: self._spawn(self._release_inflight(nbytes), "asynckv-inflight"))
+        return fut
 
-    def post_aux(self, peer: DecodePeer, src_row: int, dst_row: int, what: str) -> asyncio.Future[Any]:
+    async def _release_inflight(self, nbytes: int) -> None:
+        self._inflight_bytes -= nbytes
+        async with self._inflight_changed:
+            self._inflight_changed.notify_all()
+
+    async def post_aux(self, peer: DecodePeer, src_row: int, dst_row: int, what: str) -> asyncio.Future[Any]:
         src, dst = aux_descriptors(self._aux_ptrs, peer.aux_ptrs, self._aux_items, src_row, dst_row)
 
         def build(agent: Any) -> list[Any]:
             return [agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"),
                                           agent.get_xfer_descs(dst, "DRAM"), peer.name)]
 
-        self.stats["aux_posts"] += 1
-        return self._engine.post(build, timeout_s=self._deadline_for(int(self._aux_items.sum())), what=what)
+        return await self.post(peer, build, int(self._aux_items.sum()), what, kind="aux")
 
     def _deadline_for(self, nbytes: int) -> float:
         return self.config.xfer_deadline_base_s + nbytes / self.config.xfer_deadline_min_bytes_per_s
 
     async def send_status(self, endpoint: str, room: int, ok: bool, reason: str) -> None:
-        await self._reply(endpoint, Status(room, self.sender_rank, ok, reason))
+        await self._reply(endpoint, Status(room, self.name, self.sender_rank, ok, reason))
 
     # -- decode ---------------------------------------------------------------------
 
@@ -617,7 +740,7 @@ class KVManager:
                 self._instances[addr] = inst
         return inst
 
-    async def ensure_registered(self, rank: PrefillRank) -> None:
+    async def ensure_registered(self, rank: PrefillRank, addr: str) -> None:
         """Register with a prefill rank (once per incarnation); raises if it refuses."""
         fut = self._registrations.get(rank.agent_id)
         if fut is None:
@@ -626,14 +749,16 @@ class KVManager:
             try:
                 if self._control is None:
                     raise ClosedError("manager closed")
-                await self._control.send(rank.endpoint, self._register_message())
+                await self._control.send(rank.endpoint, self._register_message(rank.agent_id))
             except AsyncKVError as exc:
                 self._registrations.pop(rank.agent_id, None)
                 fut.set_exception(exc)
                 fut.exception()
                 raise
+            self._rank_addr[rank.agent_id] = addr
             self.loop.call_later(self.config.handshake_timeout_s, self._registration_timeout, rank)
         await asyncio.shield(fut)
+        self._liveness.add(rank.agent_id, rank.endpoint, time.monotonic())
 
     def _registration_timeout(self, rank: PrefillRank) -> None:
         fut = self._registrations.get(rank.agent_id)
@@ -644,10 +769,10 @@ class KVManager:
                 f"within {self.config.handshake_timeout_s:.1f}s"))
             fut.exception()
 
-    def _register_message(self) -> Register:
+    def _register_message(self, prefill_id: str) -> Register:
         a = self.kv_args
         return Register(
-            decode_id=self.name, endpoint=self.endpoint, engine_rank=a.engine_rank, tp_size=a.tp_size,
+            decode_id=self.name, prefill_id=prefill_id, endpoint=self.endpoint, engine_rank=a.engine_rank, tp_size=a.tp_size,
             page_size=a.page_size, kv_dtype=a.kv_dtype, mem_kind=a.mem_kind, is_mla=a.is_mla,
             gpu_id=a.gpu_id, kv_ptrs=tuple(int(x) for x in a.kv_data_ptrs),
             kv_lens=tuple(int(x) for x in a.kv_data_lens), kv_item_lens=tuple(int(x) for x in a.kv_item_lens),
@@ -669,10 +794,16 @@ class KVManager:
             return
         if msg.ok:
             fut.set_result(None)
+            return
+        del self._registrations[msg.prefill_id]
+        if msg.reason.startswith("prefill restarted"):
+            addr = self._rank_addr.pop(msg.prefill_id, None)
+            if addr is not None:
+                self._instances.pop(addr, None)  # look the new incarnation up on the next room
+            fut.set_exception(PeerRestarted(msg.reason))
         else:
-            del self._registrations[msg.prefill_id]
             fut.set_exception(LayoutMismatch(f"prefill refused registration: {msg.reason}"))
-            fut.exception()
+        fut.exception()
 
     def _on_status(self, msg: Status) -> None:
         recv = self._receivers.get(msg.room)
@@ -692,7 +823,8 @@ class KVManager:
         """Per-room table sizes; all zero once every room was cleared."""
         return {"senders": len(self._senders), "receivers": len(self._receivers),
                 "early_rooms": len(self._early), "registrations_pending": sum(
-                    1 for f in self._registrations.values() if not f.done())}
+                    1 for f in self._registrations.values() if not f.done()),
+                "inflight_bytes": self._inflight_bytes}
 
     def __repr__(self) -> str:
         return (f"<KVManager {self.mode.value} {self.name[:8]} at {self.endpoint or '-'} "

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import Aborted, AsyncKVError, InvalidArgument, LocalProtocolError, TransferFailed, WaitingTimeout
+from ..errors import (
+    Aborted,
+    AsyncKVError,
+    InvalidArgument,
+    LocalProtocolError,
+    PeerUnreachable,
+    TransferFailed,
+    WaitingTimeout,
+)
 from ..kernels import validate_pages
 from ..proto.messages import Abort, Status, TransferInfo
 from ..proto.states import Event, KVPoll, RoomState, Side
@@ -27,6 +35,10 @@ class KVReceiver:
 
     Lifecycle: ``await init(pages, aux_index)`` → ``await wait()`` → ``clear()``.
     ``async with mgr.receiver(addr, room) as r:`` aborts on exit if the room is unfinished.
+
+    Fencing: a room that fails is reported Failed (by ``poll()`` and ``wait()``) only once
+    every prefill sender that may have been writing into its pages has confirmed it writes
+    no more, or has been declared dead; only then may decode reuse the pages.
     """
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str, room: int) -> None:
@@ -38,15 +50,19 @@ class KVReceiver:
         self._done: asyncio.Future[KVPoll] = self._loop.create_future()
         self._plan: TargetPlan | None = None
         self._responses: set[int] = set()
+        self._sent_to: set[str] = set()
+        """Prefill incarnations that got this room's destination (they may write into it)."""
+        self._quiet: set[str] = set()
+        """Prefill incarnations known to write no more (reported a status, or dead)."""
+        self._failing: BaseException | None = None
         self._initialized = False
-        self._aborted_sent = False
         self._cleared = False
         self._timer: asyncio.TimerHandle | None = None
 
     # -- public --------------------------------------------------------------------
 
     def poll(self) -> KVPoll:
-        """Current state, without blocking."""
+        """Current state, without blocking (Failed only once the room's pages are fenced)."""
         return self._state.state
 
     @property
@@ -70,7 +86,7 @@ class KVReceiver:
         """
         if self._initialized:
             raise LocalProtocolError(f"room {self.room}: init() called twice")
-        if self._state.done:
+        if self._state.done or self._failing is not None:
             return self._state.state
         a = self._mgr.kv_args
         pages = validate_pages(page_indices, a.num_pages, "decode page indices")
@@ -90,19 +106,21 @@ class KVReceiver:
                                 total_kv_heads=a.total_kv_head_num)
             self._plan = plan
             for rank in plan.ranks:
-                await self._mgr.ensure_registered(rank)
+                await self._mgr.ensure_registered(rank, self.bootstrap_addr)
             dst, dst_state, empty = pages.astype(np.int32), state.astype(np.int32), np.empty(0, dtype=np.int32)
             for target in plan.targets:
-                if self._state.done:
+                if self._failing is not None:
                     break
+                if not target.is_dummy:
+                    self._sent_to.add(target.rank.agent_id)
                 await self._mgr.send_control(target.rank.endpoint, TransferInfo(
-                    self.room, self._mgr.name, int(aux_index), plan.required_dst_info_num, target.is_dummy,
-                    target.write_aux, decode_prefix_len, empty if target.is_dummy else dst,
+                    self.room, self._mgr.name, target.rank.agent_id, int(aux_index), plan.required_dst_info_num,
+                    target.is_dummy, target.write_aux, decode_prefix_len, empty if target.is_dummy else dst,
                     empty if target.is_dummy else dst_state))
         except AsyncKVError as exc:
             self._fail(exc)
             return self._state.state
-        if not self._state.done:
+        if self._failing is None:
             self._state.apply(Event.DESTINATION_SENT)
             self._maybe_complete()  # the status may have overtaken the end of init()
         return self._state.state
@@ -110,20 +128,24 @@ class KVReceiver:
     async def wait(self, timeout: float | None = None) -> KVPoll:
         """Wait for the outcome: Success or Failed (never raises for a failed transfer).
 
-        Cancelling the waiting task does not abort the room; ``abort()`` does.
+        Failed is returned once the room's pages are fenced. Cancelling the waiting task
+        does not abort the room; ``abort()`` does.
         """
         return await asyncio.wait_for(asyncio.shield(self._done), timeout)
 
-    def abort(self, reason: str = "aborted by decode") -> None:
-        """Fail the room and tell every prefill rank involved."""
+    async def abort(self, reason: str = "aborted by decode") -> KVPoll:
+        """Fail the room, tell every prefill rank involved, and return once none of them can
+        still write into its pages (confirmed, or declared dead after ``fence_timeout_s``)."""
         self._fail(Aborted(reason))
+        return await asyncio.shield(self._done)
 
     def clear(self) -> None:
-        """Drop every per-room structure; aborts first if the room is still running."""
+        """Drop every per-room structure. On an unfinished room this starts an abort but cannot
+        wait for the fence: ``await abort()`` first if the pages are to be reused."""
         if self._cleared:
             return
         if not self._state.done:
-            self.abort("cleared before completion")
+            self._fail(Aborted("cleared before completion"))
         self._cleared = True
         self._cancel_timer()
         self._responses.clear()
@@ -134,7 +156,7 @@ class KVReceiver:
 
     async def __aexit__(self, *exc: object) -> None:
         if not self._state.done:
-            self.abort("receiver context exited before completion")
+            await self.abort("receiver context exited before completion")
 
     def __repr__(self) -> str:
         need = self._plan.required_responses if self._plan else "?"
@@ -144,18 +166,28 @@ class KVReceiver:
     # -- driven by the manager ----------------------------------------------------------
 
     def _on_status(self, msg: Status) -> None:
-        if self._state.done or self._plan is None:
-            self._mgr._drop("late_status", f"room {self.room} status in {self._state.state.name}")
+        if self._plan is None or msg.prefill_id not in {r.agent_id for r in self._plan.ranks}:
+            self._mgr._drop("late_status", f"room {self.room} status from {msg.prefill_id[:8]}")
             return
+        self._quiet.add(msg.prefill_id)  # a status, either way, means that rank writes no more
         if not msg.ok:
-            self._fail(TransferFailed(f"prefill rank {msg.sender_rank}: {msg.reason}"), notify=False)
+            self._fail(TransferFailed(f"prefill rank {msg.sender_rank}: {msg.reason}"))
+        elif not self._state.done and self._failing is None:
+            self._responses.add(msg.sender_rank)
+            self._maybe_complete()
+        self._maybe_fenced()
+
+    def _on_peer_dead(self, prefill_id: str, exc: BaseException) -> None:
+        if self._plan is None or prefill_id not in {r.agent_id for r in self._plan.ranks}:
             return
-        self._responses.add(msg.sender_rank)
-        self._maybe_complete()
+        self._quiet.add(prefill_id)
+        if not self._state.done:
+            self._fail(exc)
+        self._maybe_fenced()
 
     def _maybe_complete(self) -> None:
         if (self._plan is not None and len(self._responses) >= self._plan.required_responses
-                and self._state.state == KVPoll.WaitingForInput):
+                and self._state.state == KVPoll.WaitingForInput and self._failing is None):
             self._state.apply(Event.TRANSFER_COMPLETED)
             self._cancel_timer()
             if not self._done.done():
@@ -166,18 +198,39 @@ class KVReceiver:
         self._fail(WaitingTimeout(f"room {self.room}: no result from prefill {self.bootstrap_addr} after "
                                   f"{self._mgr.config.waiting_timeout_s:.1f}s in {self._state.state.name}"))
 
-    def _fail(self, exc: BaseException, notify: bool = True) -> None:
-        if not self._state.fail(exc):
+    def _fail(self, exc: BaseException) -> None:
+        """Start failing: tell the senders that may still write, then wait for the fence."""
+        if self._state.done or self._failing is not None:
             return
-        log.info("room %d failed: %s", self.room, self._state.reason)
+        self._failing = exc
+        log.info("room %d failing: %s", self.room, exc)
         self._cancel_timer()
+        unconfirmed = self._sent_to - self._quiet
+        if unconfirmed and self._plan is not None and not self._mgr._closed:
+            msg = Abort(self.room, self._mgr.name, str(exc) or type(exc).__name__)
+            for rank in self._plan.ranks:  # dummies too: they drop the room's state
+                self._mgr._spawn(self._send_abort(rank.endpoint, msg), f"asynckv-abort-{self.room}")
+            self._timer = self._loop.call_later(self._mgr.config.fence_timeout_s, self._on_fence_timeout)
+        self._maybe_fenced()
+
+    def _maybe_fenced(self) -> None:
+        if self._failing is None or self._state.done:
+            return
+        if self._sent_to - self._quiet and not self._mgr._closed:
+            return
+        self._cancel_timer()
+        self._state.fail(self._failing)
         if not self._done.done():
             self._done.set_result(self._state.state)
-        if notify and self._plan is not None and not self._aborted_sent and not self._mgr._closed:
-            self._aborted_sent = True
-            msg = Abort(self.room, self._mgr.name, self._state.reason or "failed")
-            for rank in self._plan.ranks:
-                self._mgr._spawn(self._send_abort(rank.endpoint, msg), f"asynckv-abort-{self.room}")
+
+    def _on_fence_timeout(self) -> None:
+        self._timer = None
+        for prefill_id in sorted(self._sent_to - self._quiet):
+            self._mgr.declare_dead(prefill_id, PeerUnreachable(
+                f"prefill {prefill_id[:8]} did not confirm the abort of room {self.room} within "
+                f"{self._mgr.config.fence_timeout_s:.1f}s"))
+        self._quiet |= self._sent_to
+        self._maybe_fenced()
 
     async def _send_abort(self, endpoint: str, msg: Abort) -> None:
         try:

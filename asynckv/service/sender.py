@@ -51,6 +51,8 @@ class KVSender:
         self._cursor = 0
         self._last_posted = False
         self._posts: set[asyncio.Future[Any]] = set()
+        self._dead: set[str] = set()
+        self._failure_to_report = False
         self._concluding = False
         self._cleared = False
         self._timer: asyncio.TimerHandle | None = self._loop.call_later(
@@ -135,17 +137,17 @@ class KVSender:
                 if n:
                     await self._post_kv(peer, pages, info.dst_pages[start:start + n].astype(np.int64), start)
                 if is_last:
-                    self._post_last(peer, info, state)
+                    await self._post_last(peer, info, state)
         except AsyncKVError as exc:
             self._fail(exc)
             return
         if is_last:
             self._maybe_conclude()
 
-    def _post_last(self, peer: DecodePeer, info: TransferInfo, state: npt.NDArray[np.int64] | None) -> None:
+    async def _post_last(self, peer: DecodePeer, info: TransferInfo, state: npt.NDArray[np.int64] | None) -> None:
         """Aux row (one writer per destination) and hybrid state, with the last chunk."""
         if info.write_aux and self._aux_index >= 0 and info.aux_index >= 0:
-            self._track(self._mgr.post_aux(peer, self._aux_index, info.aux_index, f"room {self.room} aux"))
+            self._track(await self._mgr.post_aux(peer, self._aux_index, info.aux_index, f"room {self.room} aux"))
         plan = peer.plan.state
         if plan is None or len(info.dst_state_indices) == 0 or (plan.replicated and not info.write_aux):
             return
@@ -156,7 +158,7 @@ class KVSender:
         built = self._mgr.build_state(peer, state, info.dst_state_indices.astype(np.int64))
         if built is not None:
             build, nbytes = built
-            self._track(self._mgr.post(build, nbytes, f"room {self.room} state", kind="state"))
+            self._track(await self._mgr.post(peer, build, nbytes, f"room {self.room} state", kind="state"))
 
     async def wait(self, timeout: float | None = None) -> KVPoll:
         """Wait for the room's outcome: Success or Failed (never raises for a failed transfer).
@@ -226,8 +228,19 @@ class KVSender:
                     f"{self._num_pages}"))
                 return
 
-    def _on_abort(self, reason: str) -> None:
-        self._fail(Aborted(f"aborted by decode: {reason}"), notify=False)
+    def _on_abort(self, decode_id: str, reason: str) -> None:
+        if self._state.done and not self._posts:  # nothing in flight: confirm to that decode at once
+            peer = self._mgr.peer(decode_id)
+            if peer is not None:
+                self._mgr._spawn(self._mgr.send_status(peer.endpoint, self.room, False,
+                                                       f"aborted by decode: {reason}"), "asynckv-abort-ack")
+            return
+        self._fail(Aborted(f"aborted by decode: {reason}"))
+
+    def _on_peer_dead(self, decode_id: str, exc: BaseException) -> None:
+        if decode_id in self._infos:
+            self._dead.add(decode_id)
+            self._fail(exc)
 
     def _on_bootstrap_timeout(self) -> None:
         self._timer = None
@@ -247,8 +260,8 @@ class KVSender:
             build = mgr.build_kv(peer, src, dst)
         if self._state.done:
             return  # failed or aborted while the descriptors were being built
-        self._track(mgr.post(build, len(src) * mgr.page_bytes,
-                             f"room {self.room} pages {start}..{start + len(src)}"))
+        self._track(await mgr.post(peer, build, len(src) * mgr.page_bytes,
+                                   f"room {self.room} pages {start}..{start + len(src)}"))
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._posts.add(fut)
@@ -259,8 +272,9 @@ class KVSender:
         exc = fut.exception()
         if exc is not None:
             self._fail(exc)
-            return
-        self._maybe_conclude()
+        else:
+            self._maybe_conclude()
+        self._report_failure_when_quiet()
 
     def _maybe_conclude(self) -> None:
         if self._last_posted and not self._posts and not self._state.done and not self._concluding:
@@ -269,13 +283,20 @@ class KVSender:
             self._finish()
             self._notify(True, "")
 
-    def _fail(self, exc: BaseException, notify: bool = True) -> None:
+    def _fail(self, exc: BaseException) -> None:
+        """Fail the room: nothing more is posted, and once every write in flight has settled
+        (landed, failed or been cancelled) decode is told, so it may reuse its pages."""
         if not self._state.fail(exc):
             return
         log.info("room %d failed: %s", self.room, self._state.reason)
         self._cancel_timer()
         self._finish()
-        if notify:
+        self._failure_to_report = True
+        self._report_failure_when_quiet()
+
+    def _report_failure_when_quiet(self) -> None:
+        if self._failure_to_report and not self._posts:
+            self._failure_to_report = False
             self._notify(False, self._state.reason or "failed")
 
     def _finish(self) -> None:
@@ -286,7 +307,8 @@ class KVSender:
 
     def _notify(self, ok: bool, reason: str) -> None:
         """Status to every decode destination; dummies report failures only (decode counts real senders)."""
-        peers = (self._mgr.peer(name) for name, info in self._infos.items() if not ok or not info.is_dummy)
+        peers = (self._mgr.peer(name) for name, info in self._infos.items()
+                 if (not ok or not info.is_dummy) and name not in self._dead)
         for endpoint in {peer.endpoint for peer in peers if peer is not None}:
             if not self._mgr._closed:
                 self._mgr._spawn(self._mgr.send_status(endpoint, self.room, ok, reason),

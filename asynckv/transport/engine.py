@@ -67,6 +67,10 @@ class _Post:
     fut: asyncio.Future[Any]
     timeout_s: float
     what: str
+    peer: str | None = None
+    """Remote agent name, so every post to a dead peer can be cancelled at once."""
+    may_write: Callable[[], bool] | None = None
+    """Checked on this thread before every post and while in flight (the peer's write lease)."""
     handles: list[Any] = dataclasses.field(default_factory=list)
     pending: list[Any] = dataclasses.field(default_factory=list)
     deadline: float = 0.0
@@ -88,6 +92,9 @@ class NixlEngine:
         self.posts_in_flight = 0
         self.rounds = 0
         self.thread_error: BaseException | None = None
+        self.faults: Any = None
+        """A fault injector (asynckv.testing.FaultInjector) consulted before every post; tests only."""
+        self._cancelled: dict[str, BaseException] = {}
 
     @property
     def alive(self) -> bool:
@@ -108,13 +115,29 @@ class NixlEngine:
         self._put(_Call(fn, args, fut))
         return await fut
 
-    def post(self, build: Callable[[Any], list[Any]], *, timeout_s: float, what: str) -> asyncio.Future[Any]:
+    def post(self, build: Callable[[Any], list[Any]], *, timeout_s: float, what: str, peer: str | None = None,
+             may_write: Callable[[], bool] | None = None) -> asyncio.Future[Any]:
         """Create handles with ``build(agent)`` on the engine thread, post them, and return a
-        future that resolves when all are DONE (or fails with the first error / the deadline).
-        Handles are released either way."""
+        future that resolves when all are DONE (or fails with the first error, the deadline,
+        a revoked lease or a cancelled peer). Handles are released either way."""
         fut = self._submit_future()
-        self._put(_Post(build, fut, timeout_s, what))
+        self._put(_Post(build, fut, timeout_s, what, peer, may_write))
         return fut
+
+    def cancel_peer(self, peer: str, exc: BaseException) -> None:
+        """Fail (and release) every post to ``peer``, in flight or queued, with ``exc``."""
+        if len(self._cancelled) > 4096:
+            self._cancelled.clear()
+        self._cancelled[peer] = exc
+        self._wake.set()
+
+    def _refusal(self, post: _Post) -> BaseException | None:
+        """Why ``post`` may not (or no longer) write, or None."""
+        if post.peer is not None and post.peer in self._cancelled:
+            return self._cancelled[post.peer]
+        if post.may_write is not None and not post.may_write():
+            return TransferTimeout(f"{post.what}: the write lease on the peer expired (unheard for too long)")
+        return None
 
     async def close(self, cleanup: Callable[[Any], None] | None = None) -> None:
         """Run ``cleanup(agent)`` on the engine thread, then stop it."""
@@ -242,8 +265,17 @@ class NixlEngine:
         """Create and post the handles; returns whether any is still in flight."""
         post.deadline = time.monotonic() + post.timeout_s
         try:
+            refusal = self._refusal(post)
+            if refusal is not None:
+                raise refusal
+            if self.faults is not None and self.faults.before_post(post.what):
+                post.pending.append(None)  # stalled by the fault injector: only a deadline or cancel ends it
+                return True
             post.handles = post.build(agent)
             for h in post.handles:
+                refusal = self._refusal(post)  # the lease may run out between handles
+                if refusal is not None:
+                    raise refusal
                 if agent.transfer(h) != "DONE":
                     post.pending.append(h)
         except BaseException as exc:

@@ -32,7 +32,7 @@ async def test_decode_abort_reaches_prefill() -> None:
         await receiver.init([1, 2])
         sender = pair.prefill.sender(21)
         await sender.wait_ready(5)
-        receiver.abort("client went away")
+        assert await receiver.abort("client went away") == KVPoll.Failed  # returns once fenced
         assert await receiver.wait(1) == KVPoll.Failed
         assert isinstance(receiver.failure_exception(), Aborted)
         assert await sender.wait(5) == KVPoll.Failed
@@ -111,7 +111,7 @@ async def test_protocol_version_mismatch_is_refused_naming_both_versions() -> No
         push = ctx.socket(zmq.PUSH)
         push.connect(pair.prefill.endpoint)
         try:
-            reg = pair.decode._register_message()
+            reg = pair.decode._register_message(pair.prefill.name)
             frames = encode(Register(**{**{f: getattr(reg, f) for f, _ in Register.SCHEMA}, "endpoint": endpoint}))
             frames[0] = struct.pack("<4sHH", MAGIC, PROTOCOL_VERSION + 1, Register.TYPE)
             await push.send_multipart(frames)
@@ -153,7 +153,8 @@ async def test_out_of_range_destination_from_a_peer_fails_the_room_before_any_wr
     async with make_pair() as pair:
         assert await transfer_room(pair, 29, [0], [0]) == (KVPoll.Success, KVPoll.Success)  # registers decode
         sender = pair.prefill.sender(30)
-        bad = TransferInfo(30, pair.decode.name, -1, 1, False, True, 0, np.array([3, 64], dtype=np.int32),
+        bad = TransferInfo(30, pair.decode.name, pair.prefill.name, -1, 1, False, True, 0,
+                           np.array([3, 64], dtype=np.int32),
                            np.empty(0, dtype=np.int32))
         await pair.decode.send_control(pair.prefill.endpoint, bad)
         assert await sender.wait(5) == KVPoll.Failed
