@@ -82,8 +82,10 @@ class Config:
     authenticated (HMAC-SHA256 with a freshness window). Also ASYNCKV_AUTH_TOKEN."""
 
     def __repr__(self) -> str:  # never print the secret
-        fields = ", ".join(f"{f.name}={'***' if f.name == 'auth_token' and self.auth_token else getattr(self, f.name)!r}"
-                           for f in dataclasses.fields(self))
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.auth_token:
+            shown["auth_token"] = "***"
+        fields = ", ".join(f"{name}={value!r}" for name, value in shown.items())
         return f"Config({fields})"
 
     def __post_init__(self) -> None:

@@ -772,7 +772,8 @@ class KVManager:
     def _register_message(self, prefill_id: str) -> Register:
         a = self.kv_args
         return Register(
-            decode_id=self.name, prefill_id=prefill_id, endpoint=self.endpoint, engine_rank=a.engine_rank, tp_size=a.tp_size,
+            decode_id=self.name, prefill_id=prefill_id, endpoint=self.endpoint, engine_rank=a.engine_rank,
+            tp_size=a.tp_size,
             page_size=a.page_size, kv_dtype=a.kv_dtype, mem_kind=a.mem_kind, is_mla=a.is_mla,
             gpu_id=a.gpu_id, kv_ptrs=tuple(int(x) for x in a.kv_data_ptrs),
             kv_lens=tuple(int(x) for x in a.kv_data_lens), kv_item_lens=tuple(int(x) for x in a.kv_item_lens),

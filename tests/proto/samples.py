@@ -8,7 +8,8 @@ from asynckv.proto.messages import Abort, Message, Ping, Pong, Register, Registe
 
 SAMPLES: dict[str, Message] = {
     "register": Register(
-        decode_id="0b6f3a52-decode", prefill_id="9c1e-prefill", endpoint="tcp://127.0.0.1:41000", engine_rank=1, tp_size=2,
+        decode_id="0b6f3a52-decode", prefill_id="9c1e-prefill", endpoint="tcp://127.0.0.1:41000", engine_rank=1,
+        tp_size=2,
         page_size=16, kv_dtype="bfloat16", mem_kind="DRAM", is_mla=False, gpu_id=0,
         kv_ptrs=(0x7F0000000000, 0x7F0000100000), kv_lens=(1 << 20, 1 << 20), kv_item_lens=(32768, 32768),
         kv_layer_ids=(0, 0), aux_ptrs=(0x7E0000000000,), aux_lens=(4096,), aux_item_lens=(64,),
