@@ -45,6 +45,9 @@ class DemoSpec:
     inflight: int = 8
     seed: int = 0
     bootstrap: str = ""
+    chunk_delay_s: float = 0.0
+    """Prefill sleeps this long between chunks (fault tests keep rooms in flight with it)."""
+    heartbeat_interval_s: float = 1.0
 
     @property
     def entries(self) -> int:
@@ -103,7 +106,9 @@ async def _prefill(spec: DemoSpec) -> int:
     failures = 0
 
     async with KVManager(Mode.PREFILL, pool.kv_args(spec.page_size, is_mla=spec.mla),
-                         bootstrap_addr=spec.bootstrap, config=Config.from_env(host_bootstrap=False)) as mgr:
+                         bootstrap_addr=spec.bootstrap,
+                         config=Config.from_env(host_bootstrap=False,
+                                                heartbeat_interval_s=spec.heartbeat_interval_s)) as mgr:
 
         async def serve(req: Request) -> None:
             nonlocal failures
@@ -115,6 +120,8 @@ async def _prefill(spec: DemoSpec) -> int:
                 if await sender.wait_ready() == KVPoll.WaitingForInput:
                     sender.init(req.num_pages, row)
                     for i in range(0, req.num_pages, spec.chunk_pages):
+                        if spec.chunk_delay_s and sender.poll() != KVPoll.Failed:
+                            await asyncio.sleep(spec.chunk_delay_s)
                         await sender.send(pages[i:i + spec.chunk_pages])
                 if await sender.wait() != KVPoll.Success:
                     failures += 1
@@ -133,7 +140,8 @@ async def _decode(spec: DemoSpec) -> int:
     latencies: list[float] = []
     stats = {"done": 0, "failed": 0, "bad_pages": 0, "bad_aux": 0, "bytes": 0}
 
-    async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size, is_mla=spec.mla)) as mgr:
+    async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size, is_mla=spec.mla),
+                         config=Config.from_env(heartbeat_interval_s=spec.heartbeat_interval_s)) as mgr:
 
         async def receive(req: Request) -> None:
             async with gate:

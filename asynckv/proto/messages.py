@@ -28,6 +28,7 @@ __all__ = [
     "MAX_ROOM",
     "PROTOCOL_VERSION",
     "Abort",
+    "Bye",
     "Message",
     "Ping",
     "Pong",
@@ -227,8 +228,18 @@ class Pong(Message):
     seq: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bye(Message):
+    """A manager that closes tells its peers, so they stop using this incarnation at once."""
+
+    TYPE: ClassVar[int] = 8
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (("sender_id", "str"), ("reason", "str"))
+    sender_id: str
+    reason: str
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls for cls in (Register, RegisterResult, TransferInfo, Status, Abort, Ping, Pong)
+    cls.TYPE: cls for cls in (Register, RegisterResult, TransferInfo, Status, Abort, Ping, Pong, Bye)
 }
 
 

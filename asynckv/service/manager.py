@@ -43,6 +43,7 @@ from ..proto.bootstrap import PrefillRank
 from ..proto.messages import (
     MAX_ROOM,
     Abort,
+    Bye,
     Message,
     Ping,
     Pong,
@@ -225,6 +226,7 @@ class KVManager:
             room._fail(ClosedError("manager closed"))
         for recv in list(self._receivers.values()):
             recv._fail(ClosedError("manager closed"))
+        await self._say_goodbye()
         for task in list(self._tasks):
             task.cancel()
         async with self._inflight_changed:
@@ -245,6 +247,12 @@ class KVManager:
         self._receivers.clear()
         self._peers.clear()
         self._early.clear()
+
+    async def _say_goodbye(self) -> None:
+        if self._control is None or not len(self._liveness):
+            return
+        peers = [p for p in (self._liveness.get(i) for i in list(self._peers) + list(self._rank_addr)) if p]
+        await asyncio.gather(*(self._reply(p.endpoint, Bye(self.name, "manager closed")) for p in peers))
 
     def _register_memory(self, agent: Any) -> None:
         a = self.kv_args
@@ -435,6 +443,10 @@ class KVManager:
             return
         if isinstance(msg, Pong):
             self._on_pong(msg)
+            return
+        if isinstance(msg, Bye):
+            if msg.sender_id in self._liveness:
+                self.declare_dead(msg.sender_id, PeerUnreachable(f"peer {msg.sender_id[:8]} closed: {msg.reason}"))
             return
         if self.mode is Mode.PREFILL:
             if isinstance(msg, Register):
@@ -688,8 +700,14 @@ class KVManager:
         lease = self._liveness.get(peer.name)
         fut = self._engine.post(build, timeout_s=self._deadline_for(nbytes), what=what, peer=peer.name,
                                 may_write=None if lease is None else (lambda: time.monotonic() < lease.lease_until))
-        fut.add_done_callback(lambda _: self._spawn(self._release_inflight(nbytes), "asynckv-inflight"))
+        fut.add_done_callback(lambda f: self._post_settled(f, peer, nbytes))
         return fut
+
+    def _post_settled(self, fut: asyncio.Future[Any], peer: DecodePeer, nbytes: int) -> None:
+        self._spawn(self._release_inflight(nbytes), "asynckv-inflight")
+        exc = None if fut.cancelled() else fut.exception()
+        if isinstance(exc, PeerUnreachable) and peer.name in self._peers:
+            self.declare_dead(peer.name, exc)  # NIXL saw the disconnect: no need to wait for heartbeats
 
     async def _release_inflight(self, nbytes: int) -> None:
         self._inflight_bytes -= nbytes
@@ -728,17 +746,38 @@ class KVManager:
     async def prefill_instance(self, addr: str) -> PrefillInstance:
         """The topology of the prefill at ``addr``, fetched once and cached."""
         inst = self._instances.get(addr)
-        if inst is not None:
+        if inst is not None and not self._stale(inst):
             return inst
         lock = self._instance_locks.setdefault(addr, asyncio.Lock())
         async with lock:
             inst = self._instances.get(addr)
-            if inst is None:
+            if inst is None or self._stale(inst):
+                old = inst
                 inst = await self._http.fetch_instance(addr, self.config.handshake_timeout_s)
+                if old is not None:
+                    self._retire_replaced(old, inst)
                 a = self.kv_args
                 check_compatible(inst, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
                 self._instances[addr] = inst
         return inst
+
+    def _stale(self, inst: PrefillInstance) -> bool:
+        """A registered rank of the cached topology has been quiet for over 1.5 heartbeats: it may
+        have restarted, so the next room looks the instance up again (cheap: one GET)."""
+        now = time.monotonic()
+        for rank in inst.ranks.values():
+            state = self._liveness.get(rank.agent_id)
+            if state is not None and now - state.last_seen > 1.5 * self.config.heartbeat_interval_s:
+                return True
+        return False
+
+    def _retire_replaced(self, old: PrefillInstance, new: PrefillInstance) -> None:
+        for key, rank in old.ranks.items():
+            current = new.ranks.get(key)
+            if current is not None and current.agent_id != rank.agent_id and rank.agent_id in self._liveness:
+                self.declare_dead(rank.agent_id, PeerRestarted(
+                    f"prefill rank dp={key[0]} tp={key[1]} pp={key[2]} restarted: incarnation "
+                    f"{rank.agent_id[:8]} replaced by {current.agent_id[:8]}"))
 
     async def ensure_registered(self, rank: PrefillRank, addr: str) -> None:
         """Register with a prefill rank (once per incarnation); raises if it refuses."""

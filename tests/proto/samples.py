@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from asynckv.proto.messages import Abort, Message, Ping, Pong, Register, RegisterResult, Status, TransferInfo
+from asynckv.proto.messages import (
+    Abort,
+    Bye,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    RegisterResult,
+    Status,
+    TransferInfo,
+)
 
 SAMPLES: dict[str, Message] = {
     "register": Register(
@@ -34,6 +44,7 @@ SAMPLES: dict[str, Message] = {
                             reason="peer disconnected (nixlRemoteDisconnectError)"),
     "ping": Ping(sender_id="0b6f3a52-decode", endpoint="tcp://127.0.0.1:41000", seq=17),
     "pong": Pong(sender_id="9c1e-prefill", seq=17),
+    "bye": Bye(sender_id="9c1e-prefill", reason="manager closed"),
     "abort": Abort(room=12345678901234, decode_id="0b6f3a52-decode", reason="aborted by decode"),
 }
 
