@@ -24,7 +24,9 @@ def _bootstrap_server(args: argparse.Namespace) -> int:
     from .service.bootstrap import BootstrapServer
 
     async def serve() -> None:
-        async with BootstrapServer(args.host, args.port) as server:
+        from .config import Config
+
+        async with BootstrapServer(args.host, args.port, Config.from_env().auth_token) as server:
             print(f"asynckv bootstrap server on http://{server.addr} (Ctrl-C to stop)", flush=True)
             await asyncio.Event().wait()
 

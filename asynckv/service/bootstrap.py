@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from ..errors import BootstrapTimeout, PeerUnreachable, RemoteProtocolError
+from ..proto.auth import AUTH_HEADER, AuthError, Authenticator
 from ..proto.bootstrap import PayloadError, PrefillRank, RankTable
 from ..proto.topology import PrefillInstance
 
@@ -42,9 +44,10 @@ def split_addr(addr: str) -> tuple[str, int]:
 class BootstrapServer:
     """Where prefill ranks register and decode ranks look them up."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8998) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 8998, auth_token: str = "") -> None:
         self.host = host
         self.port = port
+        self._auth = Authenticator(auth_token) if auth_token else None
         self.table = RankTable()
         self.requests_refused = 0
         self._health_checks: dict[str, Callable[[], bool]] = {}
@@ -99,8 +102,15 @@ class BootstrapServer:
         return web.json_response({"error": reason}, status=status)
 
     async def _json_body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        if self._auth is not None:
+            try:  # wall clock: freshness across hosts (see proto.auth)
+                self._auth.check_http(request.method, request.path, raw, request.headers.get(AUTH_HEADER),
+                                      time.time_ns())
+            except AuthError as exc:
+                raise _Unauthorized(str(exc)) from None
         try:
-            return json.loads(await request.read())
+            return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise PayloadError(f"body is not JSON: {exc}") from None
 
@@ -109,6 +119,8 @@ class BootstrapServer:
             rank = PrefillRank.from_json(await self._json_body(request))
             async with self._lock:
                 self.table.register(rank)
+        except _Unauthorized as exc:
+            return self._refuse(401, str(exc))
         except PayloadError as exc:
             return self._refuse(400, str(exc))
         except web.HTTPRequestEntityTooLarge:
@@ -127,6 +139,8 @@ class BootstrapServer:
             agent_id = body.get("agent_id")
             if not all(type(k) is int for k in key) or not isinstance(agent_id, str):
                 raise PayloadError("need integer dp_rank, tp_rank, pp_rank and a string agent_id")
+        except _Unauthorized as exc:
+            return self._refuse(401, str(exc))
         except PayloadError as exc:
             return self._refuse(400, str(exc))
         async with self._lock:
@@ -150,6 +164,10 @@ class BootstrapServer:
         return web.json_response(body, status=200 if not failing else 503)
 
 
+class _Unauthorized(Exception):
+    pass
+
+
 def _safe(check: Callable[[], bool]) -> bool:
     try:
         return bool(check())
@@ -160,8 +178,9 @@ def _safe(check: Callable[[], bool]) -> bool:
 class BootstrapClient:
     """HTTP client for the bootstrap server, with errors mapped to asynckv's tree."""
 
-    def __init__(self, timeout_s: float = 5.0) -> None:
+    def __init__(self, timeout_s: float = 5.0, auth_token: str = "") -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._auth = Authenticator(auth_token) if auth_token else None
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -176,14 +195,18 @@ class BootstrapClient:
 
     async def _request(self, method: str, addr: str, path: str, body: Any = None) -> tuple[int, Any]:
         url = f"http://{addr}{path}"
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self._auth is not None and method in ("PUT", "DELETE"):
+            headers[AUTH_HEADER] = self._auth.http_header(method, path, data or b"", time.time_ns())
         try:
-            async with self._http().request(method, url, json=body) as resp:
+            async with self._http().request(method, url, data=data, headers=headers) as resp:
                 text = await resp.text()
                 try:
-                    data = json.loads(text) if text else None
+                    answer = json.loads(text) if text else None
                 except ValueError:
-                    data = text
-                return resp.status, data
+                    answer = text
+                return resp.status, answer
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise PeerUnreachable(f"bootstrap server {addr} unreachable: {exc!r}") from exc
 

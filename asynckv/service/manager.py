@@ -39,6 +39,7 @@ from ..kernels import (
     prepped_indices,
 )
 from ..layout import KVArgs
+from ..proto.auth import Authenticator
 from ..proto.bootstrap import PrefillRank
 from ..proto.messages import (
     MAX_ROOM,
@@ -137,7 +138,7 @@ class KVManager:
         self._engine = NixlEngine(self.name, backend=self.config.nixl_backend, idle_poll_s=self.config.idle_poll_s)
         self._ctx: zmq.asyncio.Context | None = None
         self._control: ControlChannel | None = None
-        self._http = BootstrapClient(self.config.http_timeout_s)
+        self._http = BootstrapClient(self.config.http_timeout_s, self.config.auth_token)
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
         self._reg_handles: list[Any] = []
         self._local_dlist: Any = None
@@ -206,8 +207,9 @@ class KVManager:
             await self._engine.call(self._register_memory)
             self._agent_metadata = bytes(await self._engine.call(lambda agent: agent.get_agent_metadata()))
             self._ctx = zmq.asyncio.Context()
+            auth = Authenticator(self.config.auth_token) if self.config.auth_token else None
             self._control = ControlChannel(self._ctx, self.config.host, self._on_message,
-                                           self._on_version_mismatch, self.config.send_timeout_s)
+                                           self._on_version_mismatch, self.config.send_timeout_s, auth)
             await self._control.start()
             if self.mode is Mode.PREFILL:
                 await self._start_prefill()
@@ -382,7 +384,7 @@ class KVManager:
         host, port = split_addr(addr)
         # Port 0 asks for an embedded server on a free port (tests, single-instance demos).
         if port == 0 or (self.config.host_bootstrap and not await self._http.is_up(addr)):
-            server = BootstrapServer(host, port)
+            server = BootstrapServer(host, port, self.config.auth_token)
             try:
                 await server.start()
             except OSError as exc:  # another rank of this instance won the race

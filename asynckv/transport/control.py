@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError
+from ..proto.auth import AuthError, Authenticator
 from ..proto.messages import Message, VersionMismatch, decode, encode
 
 __all__ = ["ControlChannel", "RateLimitedLog"]
@@ -54,12 +55,13 @@ class ControlChannel:
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, on_message: Callable[[Message], None],
                  on_version_mismatch: Callable[[VersionMismatch], None] | None = None,
-                 send_timeout_s: float = 5.0) -> None:
+                 send_timeout_s: float = 5.0, auth: Authenticator | None = None) -> None:
         self._ctx = ctx
         self._host = host
         self._on_message = on_message
         self._on_version_mismatch = on_version_mismatch
         self._send_timeout_s = send_timeout_s
+        self._auth = auth
         self._pull: zmq.asyncio.Socket | None = None
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -108,6 +110,14 @@ class ControlChannel:
             self._handle(frames)
 
     def _handle(self, frames: list[bytes]) -> None:
+        if self._auth is not None:
+            try:
+                # Freshness needs a clock shared across hosts: the one wall-clock read (see proto.auth).
+                frames = self._auth.open(frames, time.time_ns())
+            except AuthError as exc:
+                self.dropped[f"auth_{exc.kind}"] += 1
+                self._rl.warning("auth", "control: refused message: %s", exc)
+                return
         try:
             msg = decode(frames)
         except VersionMismatch as exc:
@@ -147,7 +157,10 @@ class ControlChannel:
             sock.connect(endpoint)
             self._push[endpoint] = sock
         try:
-            await asyncio.wait_for(sock.send_multipart(encode(msg), copy=False), self._send_timeout_s)
+            frames = encode(msg)
+            if self._auth is not None:
+                frames = self._auth.seal(frames, time.time_ns())
+            await asyncio.wait_for(sock.send_multipart(frames, copy=False), self._send_timeout_s)
         except (TimeoutError, zmq.ZMQError) as exc:
             raise PeerUnreachable(f"cannot send {type(msg).__name__} to {endpoint}: {exc!r}") from exc
 

@@ -15,11 +15,12 @@ from .conftest import check_landed, make_pair, transfer_room
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.parametrize("auth", ["", "s3cret"], ids=["open", "auth"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("prepped", [True, False], ids=["prepped", "descs"])
 @pytest.mark.parametrize("chunk", [None, 3], ids=["single", "chunked"])
-async def test_pages_land_at_shuffled_destinations(mla: bool, prepped: bool, chunk: int | None) -> None:
-    async with make_pair(entries=3 if mla else 4, mla=mla, prepped_dlists=prepped) as pair:
+async def test_pages_land_at_shuffled_destinations(mla: bool, prepped: bool, chunk: int | None, auth: str) -> None:
+    async with make_pair(entries=3 if mla else 4, mla=mla, prepped_dlists=prepped, auth_token=auth) as pair:
         rng = np.random.default_rng(1)
         src = rng.permutation(64)[:10]
         dst = rng.permutation(64)[:10]
@@ -47,8 +48,9 @@ async def test_empty_last_chunk_concludes_the_room_and_carries_aux() -> None:
         assert not pair.dpool.kv.any()
 
 
-async def test_hundreds_of_rooms_in_flight_and_nothing_left_after_clear() -> None:
-    async with make_pair(entries=2, pages=1024, item=128) as pair:
+@pytest.mark.parametrize("auth", ["", "s3cret"], ids=["open", "auth"])
+async def test_hundreds_of_rooms_in_flight_and_nothing_left_after_clear(auth: str) -> None:
+    async with make_pair(entries=2, pages=1024, item=128, auth_token=auth) as pair:
         rng = np.random.default_rng(7)
         dst_all = rng.permutation(1024).reshape(128, 8)
         src_all = np.arange(1024).reshape(128, 8)

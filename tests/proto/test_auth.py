@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import pytest
+
+from asynckv.proto.auth import AuthError, Authenticator
+from asynckv.proto.messages import decode, encode
+
+from .samples import SAMPLES
+
+NOW = 1_800_000_000_000_000_000
+
+
+def test_seal_then_open_round_trip() -> None:
+    a, b = Authenticator("secret"), Authenticator("secret")
+    frames = encode(SAMPLES["transfer_info"])
+    sealed = a.seal(frames, NOW)
+    assert len(sealed) == len(frames) + 1
+    assert decode(b.open(sealed, NOW + 10**9)) == SAMPLES["transfer_info"]
+
+
+@pytest.mark.parametrize("case, kind", [("missing", "missing"), ("other_token", "bad_mac"), ("altered", "bad_mac"),
+                                        ("stale", "stale"), ("replayed", "replayed")])
+def test_refusals(case: str, kind: str) -> None:
+    sender, receiver = Authenticator("secret"), Authenticator("secret")
+    frames = encode(SAMPLES["status_ok"])
+    sealed = sender.seal(frames, NOW)
+    now = NOW
+    if case == "missing":
+        sealed = frames
+    elif case == "other_token":
+        sealed = Authenticator("guess").seal(frames, NOW)
+    elif case == "altered":
+        sealed = [sealed[0], sealed[1].replace(b"42", b"43"), *sealed[2:]]
+    elif case == "stale":
+        now = NOW + 31 * 10**9
+    elif case == "replayed":
+        receiver.open(sealed, now)
+    with pytest.raises(AuthError) as info:
+        receiver.open(sealed, now)
+    assert info.value.kind == kind
+
+
+def test_http_header() -> None:
+    a = Authenticator("secret")
+    header = a.http_header("PUT", "/route", b"{}", NOW)
+    Authenticator("secret").check_http("PUT", "/route", b"{}", header, NOW)
+    with pytest.raises(AuthError, match="bad_mac"):
+        Authenticator("secret").check_http("DELETE", "/route", b"{}", header, NOW)
+    with pytest.raises(AuthError, match="malformed"):
+        a.check_http("PUT", "/route", b"{}", "nonsense", NOW)
+    with pytest.raises(AuthError, match="missing"):
+        a.check_http("PUT", "/route", b"{}", None, NOW)
+
+
+def test_nonce_memory_is_bounded() -> None:
+    a = Authenticator("secret", max_nonces=10)
+    for i in range(100):
+        a.open(a.seal(encode(SAMPLES["ping"]), NOW + i), NOW + i)
+    assert len(a._seen) <= 10
