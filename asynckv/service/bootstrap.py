@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from ..errors import BootstrapTimeout, PeerUnreachable, RemoteProtocolError
-from ..proto.auth import AUTH_HEADER, AuthError, Authenticator
+from ..proto.auth import AUTH_HEADER, Authenticator, AuthError
 from ..proto.bootstrap import PayloadError, PrefillRank, RankTable
 from ..proto.topology import PrefillInstance
 

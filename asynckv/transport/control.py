@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError
-from ..proto.auth import AuthError, Authenticator
+from ..proto.auth import Authenticator, AuthError
 from ..proto.messages import Message, VersionMismatch, decode, encode
 
 __all__ = ["ControlChannel", "RateLimitedLog"]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from asynckv.proto.auth import AuthError, Authenticator
+from asynckv.proto.auth import Authenticator, AuthError
 from asynckv.proto.messages import decode, encode
 
 from .samples import SAMPLES
