@@ -66,10 +66,11 @@ class Config:
     """Prefill: destinations that arrived before their sender was created, kept at most."""
     early_info_ttl_s: float = 600.0
     """Prefill: how long an early destination is kept before it is dropped."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = 0.5
     """Both sides ping every peer they work with this often."""
-    heartbeat_max_failures: int = 3
-    """A peer unheard for interval x this many is declared dead; its rooms fail (default 3 s)."""
+    heartbeat_max_failures: int = 7
+    """A peer unheard for interval x this many is declared dead; its rooms fail (default 3.5 s,
+    so rooms of a dead peer fail within about 4 s; a busy loop may lag up to ~3 s safely)."""
     fence_timeout_s: float = 5.0
     """Decode: longest wait for prefill to confirm it writes no more into a failed room's pages;
     after it, the silent prefill is declared dead."""

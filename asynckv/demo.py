@@ -47,7 +47,7 @@ class DemoSpec:
     bootstrap: str = ""
     chunk_delay_s: float = 0.0
     """Prefill sleeps this long between chunks (fault tests keep rooms in flight with it)."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = 0.5
 
     @property
     def entries(self) -> int:
