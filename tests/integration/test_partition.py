@@ -1,0 +1,89 @@
+"""A network partition between two network namespaces (veth link down) is detected and fails
+the rooms within the bound. Needs root and iproute2; skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
+from asynckv.demo import DemoSpec
+from asynckv.testing import KVPool, verify_pages
+
+pytestmark = pytest.mark.integration
+
+HOST_IP, NS_IP = "10.231.7.1", "10.231.7.2"  # a private /30 that exists only between our namespaces
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+
+
+@pytest.fixture
+def netns() -> Iterator[tuple[str, str]]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip); not available here")
+    tag = f"{os.getpid() % 100000}"
+    ns, host_if, ns_if = f"akv{tag}", f"akvh{tag}", f"akvp{tag}"
+    steps = [("netns", "add", ns), ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
+             ("link", "set", ns_if, "netns", ns), ("addr", "add", f"{HOST_IP}/30", "dev", host_if),
+             ("link", "set", host_if, "up"), ("netns", "exec", ns, "ip", "addr", "add", f"{NS_IP}/30", "dev", ns_if),
+             ("netns", "exec", ns, "ip", "link", "set", ns_if, "up"), ("netns", "exec", ns, "ip", "link", "set", "lo", "up")]
+    try:
+        for step in steps:
+            out = _ip(*step)
+            if out.returncode:
+                pytest.skip(f"cannot build the network namespaces (ip {' '.join(step)}: {out.stderr.strip()})")
+        yield ns, host_if
+    finally:
+        _ip("link", "del", host_if)
+        _ip("netns", "del", ns)
+
+
+async def test_partition_is_detected_and_fails_rooms_on_both_sides(netns: tuple[str, str]) -> None:
+    ns, host_if = netns
+    spec = DemoSpec(layers=2, kv_heads=2, head_dim=16, page_size=4, min_pages=16, max_pages=16, chunk_pages=2, seed=5,
+                    requests=6, inflight=6, chunk_delay_s=1.0)
+    pool = KVPool(spec.entries, spec.requests * spec.max_pages, spec.item_bytes, aux_rows=spec.requests)
+    async with BootstrapServer(HOST_IP, 0) as server:
+        spec = dataclasses.replace(spec, bootstrap=server.addr)
+        proc = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", ns, sys.executable, "-m", "asynckv", "_worker", "prefill",
+            json.dumps(dataclasses.asdict(spec)), env={**os.environ, "ASYNCKV_HOST": NS_IP},
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size),
+                                 config=Config(host=HOST_IP, waiting_timeout_s=60)) as d:
+                receivers = []
+                for i, r in enumerate(spec.plan()):
+                    receiver = d.receiver(server.addr, r.room)
+                    pages = np.arange(r.num_pages) + spec.max_pages * i
+                    assert await receiver.init(pages, i) == KVPoll.WaitingForInput, receiver.failure_reason
+                    receivers.append((receiver, r.room, pages))
+                await asyncio.sleep(1.2)  # the rooms are mid-transfer
+                assert _ip("link", "set", host_if, "down").returncode == 0
+                cut = time.monotonic()
+                results = await asyncio.gather(*(rv.wait(30) for rv, _, _ in receivers))
+                detection = time.monotonic() - cut
+                print(f"partition detected after {detection:.2f} s")
+                assert results == [KVPoll.Failed] * len(receivers)
+                assert all("unheard for" in (rv.failure_reason or "") for rv, _, _ in receivers)
+                assert detection <= 5.0
+                pool.kv[:] = 7  # pages handed back and reused
+                assert await asyncio.wait_for(proc.wait(), 30) != 0  # its write leases ran out: its rooms failed
+                assert (pool.kv == 7).all(), "a partitioned prefill kept writing into pages handed back"
+                assert verify_pages(pool, receivers[0][1], receivers[0][2]) > 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
