@@ -38,7 +38,8 @@ def netns() -> Iterator[tuple[str, str]]:
     steps = [("netns", "add", ns), ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
              ("link", "set", ns_if, "netns", ns), ("addr", "add", f"{HOST_IP}/30", "dev", host_if),
              ("link", "set", host_if, "up"), ("netns", "exec", ns, "ip", "addr", "add", f"{NS_IP}/30", "dev", ns_if),
-             ("netns", "exec", ns, "ip", "link", "set", ns_if, "up"), ("netns", "exec", ns, "ip", "link", "set", "lo", "up")]
+             ("netns", "exec", ns, "ip", "link", "set", ns_if, "up"),
+             ("netns", "exec", ns, "ip", "link", "set", "lo", "up")]
     try:
         for step in steps:
             out = _ip(*step)
