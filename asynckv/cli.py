@@ -1,4 +1,4 @@
-"""Command line: ``asynckv demo | bootstrap-server`` (also ``python -m asynckv``)."""
+"""Command line: ``asynckv demo | bootstrap-server | selftest | bench`` (also ``python -m asynckv``)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,29 @@ def _bootstrap_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _selftest(args: argparse.Namespace) -> int:
+    from .selftest import run_selftest
+
+    return run_selftest()
+
+
+def _selftest_probe(args: argparse.Namespace) -> int:
+    from .selftest import run_probe
+
+    return run_probe()
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "__main__.py").exists():
+        print("asynckv bench needs the repository's benchmarks/ folder (run it from a checkout)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, "-m", "benchmarks", *args.bench_args], cwd=root)
+
+
 def _worker(args: argparse.Namespace) -> int:
     from .demo import run_worker
 
@@ -73,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--host", default="127.0.0.1")
     boot.add_argument("--port", type=int, default=8998)
     boot.set_defaults(func=_bootstrap_server)
+
+    selftest = sub.add_parser("selftest", help="move bytes between two local agents; report the transport in use")
+    selftest.set_defaults(func=_selftest)
+    probe = sub.add_parser("_selftest-probe", help=argparse.SUPPRESS)
+    probe.set_defaults(func=_selftest_probe)
+
+    bench = sub.add_parser("bench", help="run the benchmark suite (benchmarks/, from a checkout)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to python -m benchmarks")
+    bench.set_defaults(func=_bench)
 
     worker = sub.add_parser("_worker", help=argparse.SUPPRESS)
     worker.add_argument("role", choices=["prefill", "decode"])

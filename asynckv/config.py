@@ -78,6 +78,9 @@ class Config:
     """Registered peers kept at most per manager; registrations beyond are refused."""
     max_inflight_bytes: int = 8 * 2**30
     """Prefill: bytes posted but not yet landed, at most (a larger single chunk waits to go alone)."""
+    ops_port: int = -1
+    """Serve /health, /metrics and /peers for this manager on this port (0: any free port,
+    -1: off). A manager hosting the bootstrap server serves them there anyway."""
     auth_token: str = ""
     """Shared secret; when set, every control message and mutating bootstrap request is
     authenticated (HMAC-SHA256 with a freshness window). Also ASYNCKV_AUTH_TOKEN."""

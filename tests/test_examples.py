@@ -25,6 +25,18 @@ def test_readme_state_diagram_is_generated_from_the_transition_table() -> None:
 
 
 def test_cli_help() -> None:
-    for args in ([], ["demo"], ["bootstrap-server"]):
+    for args in ([], ["demo"], ["bootstrap-server"], ["selftest"], ["bench"]):
         out = subprocess.run([sys.executable, "-m", "asynckv", *args, "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "usage: asynckv" in out.stdout
+
+
+def test_selftest_reports_the_transport_and_warns_on_a_tcp_fallback() -> None:
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "asynckv", "selftest"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "bulk writes (ucp_put) via: cma/memory" in out.stdout and "selftest OK" in out.stdout
+    assert "WARNING" not in out.stdout
+    slow = subprocess.run([sys.executable, "-m", "asynckv", "selftest"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "UCX_TLS": "tcp"})
+    assert slow.returncode == 0 and "WARNING: SLOW FALLBACK" in slow.stdout and "tcp/" in slow.stdout

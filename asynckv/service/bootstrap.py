@@ -26,7 +26,7 @@ from ..proto.auth import AUTH_HEADER, Authenticator, AuthError
 from ..proto.bootstrap import PayloadError, PrefillRank, RankTable
 from ..proto.topology import PrefillInstance
 
-__all__ = ["BootstrapClient", "BootstrapServer", "split_addr"]
+__all__ = ["BootstrapClient", "BootstrapServer", "OpsServer", "split_addr"]
 
 log = logging.getLogger("asynckv.bootstrap")
 
@@ -69,6 +69,9 @@ class BootstrapServer:
         app.router.add_route("GET", "/route", self._get_route)
         app.router.add_route("DELETE", "/route", self._delete_route)
         app.router.add_route("GET", "/health", self._health)
+        from .metrics import add_ops_routes
+
+        add_ops_routes(app)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
@@ -162,6 +165,50 @@ class BootstrapServer:
                 "registered": self.table.registered, "expected": self.table.expected,
                 "ready": self.table.ready}
         return web.json_response(body, status=200 if not failing else 503)
+
+
+class OpsServer:
+    """``/health``, ``/metrics`` and ``/peers`` of a manager that hosts no bootstrap server."""
+
+    def __init__(self, host: str, port: int, healthy: Callable[[], bool]) -> None:
+        self.host = host
+        self.port = port
+        self._healthy = healthy
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> OpsServer:
+        from .metrics import add_ops_routes
+
+        app = web.Application()
+        app.router.add_route("GET", "/health", self._health)
+        add_ops_routes(app)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        server = site._server  # aiohttp offers no public accessor for the bound port
+        sockets = getattr(server, "sockets", None) or []
+        if sockets and self.port == 0:
+            self.port = int(sockets[0].getsockname()[1])
+        self._runner = runner
+        return self
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ok = _safe(self._healthy)
+        return web.json_response({"status": "ok" if ok else "failing"}, status=200 if ok else 503)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
 
 
 class _Unauthorized(Exception):

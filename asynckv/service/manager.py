@@ -55,10 +55,12 @@ from ..proto.messages import (
     VersionMismatch,
 )
 from ..proto.peers import Liveness, PeerState
+from ..proto.states import KVPoll
 from ..proto.topology import PeerPlan, PrefillInstance, check_compatible, plan_peer
 from ..transport.control import ControlChannel
 from ..transport.engine import NixlEngine
-from .bootstrap import BootstrapClient, BootstrapServer, split_addr
+from . import metrics
+from .bootstrap import BootstrapClient, BootstrapServer, OpsServer, split_addr
 from .receiver import KVReceiver
 from .sender import KVSender
 
@@ -133,6 +135,7 @@ class KVManager:
         self.name = str(uuid.uuid4())
         self.stats: collections.Counter[str] = collections.Counter()
         self.bootstrap_server: BootstrapServer | None = None
+        self.ops_server: OpsServer | None = None
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine = NixlEngine(self.name, backend=self.config.nixl_backend, idle_poll_s=self.config.idle_poll_s)
@@ -214,6 +217,9 @@ class KVManager:
             if self.mode is Mode.PREFILL:
                 await self._start_prefill()
             self._spawn(self._heartbeat_loop(), "asynckv-heartbeat")
+            metrics.register_manager(self)
+            if self.config.ops_port >= 0:
+                self.ops_server = await OpsServer(self.config.host, self.config.ops_port, lambda: self.healthy).start()
         except BaseException:
             await self.close()
             raise
@@ -245,6 +251,9 @@ class KVManager:
         await self._engine.close(self._cleanup_agent)
         if self.bootstrap_server is not None:
             await self.bootstrap_server.close()
+        if self.ops_server is not None:
+            await self.ops_server.close()
+        metrics.forget_manager(self)
         self._senders.clear()
         self._receivers.clear()
         self._peers.clear()
@@ -346,6 +355,10 @@ class KVManager:
     def _peer_dead(self, state: PeerState, exc: BaseException) -> None:
         log.warning("%s: %s", self.mode.value, exc)
         self.stats["peers_dead"] += 1
+        metrics.PEERS_DEAD.labels(self.mode.value, self.name[:8], type(exc).__name__).inc()
+        metrics.forget_peer(self, state.peer_id)
+        if state.endpoint and not self._closed:  # if it is alive after all, it must forget us too
+            self._spawn(self._reply(state.endpoint, Bye(self.name, f"declared dead: {exc}")), "asynckv-bye")
         if self.mode is Mode.PREFILL:
             self._engine.cancel_peer(state.peer_id, exc)
             peer = self._peers.pop(state.peer_id, None)
@@ -510,6 +523,7 @@ class KVManager:
         self._spawn(self._add_peer(reg, fut), f"asynckv-add-peer-{reg.decode_id[:8]}")
 
     async def _add_peer(self, reg: Register, fut: asyncio.Future[DecodePeer]) -> None:
+        started = time.monotonic()
         try:
             plan = plan_peer(self.kv_args, reg)
             peer = DecodePeer(
@@ -544,6 +558,8 @@ class KVManager:
         self._peer_setup.pop(reg.decode_id, None)
         self._peers[reg.decode_id] = peer
         self._liveness.add(reg.decode_id, reg.endpoint, time.monotonic())
+        metrics.FIRST_CONTACT_SECONDS.labels(self.mode.value, self.name[:8], reg.decode_id[:8]).observe(
+            time.monotonic() - started)
         fut.set_result(peer)
         self.stats["peers_added"] += 1
         await self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, True, ""))
@@ -619,11 +635,12 @@ class KVManager:
     # data plane entry points used by KVSender
 
     def build_kv(self, peer: DecodePeer, src_pages: npt.NDArray[np.int64],
-                 dst_pages: npt.NDArray[np.int64]) -> Callable[[Any], list[Any]]:
+                 dst_pages: npt.NDArray[np.int64]) -> tuple[Callable[[Any], list[Any]], int]:
         """Descriptor math for one chunk to one peer (pure numpy; safe on a worker thread).
 
-        Returns the function the engine thread runs to create the chunk's handles, at most
-        ``max_descs_per_xfer`` rows each, so huge requests have several handles in flight.
+        Returns the function the engine thread runs to create the chunk's handles (at most
+        ``max_descs_per_xfer`` rows each, so huge requests have several handles in flight)
+        and the number of descriptors (prepared indices) it posts.
         """
         limit = self.config.max_descs_per_xfer
         if self._prepped_for(peer):
@@ -635,7 +652,7 @@ class KVManager:
                 return [agent.make_prepped_xfer("WRITE", local, src_idx[i:i + limit], remote, dst_idx[i:i + limit])
                         for i in range(0, len(src_idx), limit)]
 
-            return build_prepped
+            return build_prepped, len(src_idx)
         plan = peer.plan
         args = (self._kv_ptrs[plan.src_entries], peer.kv_ptrs[plan.dst_entries],
                 self._kv_items[plan.src_entries], peer.kv_item_lens[plan.dst_entries])
@@ -645,7 +662,7 @@ class KVManager:
             hs = plan.head_slice
             src, dst = head_slice_descriptors(*args, self.kv_args.page_size, src_pages, dst_pages,
                                               hs.src_offs, hs.dst_offs, hs.nbytes, self._dev, peer.dev)
-        return self._build_descs(peer, src, dst)
+        return self._build_descs(peer, src, dst), len(src)
 
     def _build_descs(self, peer: DecodePeer, src: npt.NDArray[np.uint64],
                      dst: npt.NDArray[np.uint64]) -> Callable[[Any], list[Any]]:
@@ -664,7 +681,7 @@ class KVManager:
         return self.config.prepped_dlists and peer.plan.whole_pages
 
     def build_state(self, peer: DecodePeer, src_idx: npt.NDArray[np.int64],
-                    dst_idx: npt.NDArray[np.int64]) -> tuple[Callable[[Any], list[Any]], int] | None:
+                    dst_idx: npt.NDArray[np.int64]) -> tuple[Callable[[Any], list[Any]], int, int] | None:
         """Descriptors of a room's hybrid state (last chunk); None when nothing to write."""
         plan = peer.plan.state
         if plan is None or len(src_idx) == 0:
@@ -684,10 +701,10 @@ class KVManager:
             src, dst = kv_page_descriptors(sp, dp, si, di, src_idx, dst_idx, self._dev, peer.dev)
         if len(src) == 0:
             return None
-        return self._build_descs(peer, src, dst), int(src[:, 1].sum())
+        return self._build_descs(peer, src, dst), int(src[:, 1].sum()), len(src)
 
     async def post(self, peer: DecodePeer, build: Callable[[Any], list[Any]], nbytes: int, what: str,
-                   kind: str = "kv") -> asyncio.Future[Any]:
+                   kind: str = "kv", ndescs: int = 1) -> asyncio.Future[Any]:
         """Hand handles to the engine once in-flight bytes allow; the returned future resolves
         when all landed. Posts only while the peer's write lease is valid."""
         async with self._inflight_changed:
@@ -702,12 +719,23 @@ class KVManager:
         lease = self._liveness.get(peer.name)
         fut = self._engine.post(build, timeout_s=self._deadline_for(nbytes), what=what, peer=peer.name,
                                 may_write=None if lease is None else (lambda: time.monotonic() < lease.lease_until))
-        fut.add_done_callback(lambda f: self._post_settled(f, peer, nbytes))
+        labels = (self.mode.value, self.name[:8], peer.name[:8])
+        metrics.DESCRIPTORS.labels(*labels).observe(ndescs)
+        started = time.monotonic()
+        fut.add_done_callback(lambda f: self._post_settled(f, peer, nbytes, kind, started))
         return fut
 
-    def _post_settled(self, fut: asyncio.Future[Any], peer: DecodePeer, nbytes: int) -> None:
+    def _post_settled(self, fut: asyncio.Future[Any], peer: DecodePeer, nbytes: int, kind: str,
+                      started: float) -> None:
         self._spawn(self._release_inflight(nbytes), "asynckv-inflight")
         exc = None if fut.cancelled() else fut.exception()
+        labels = (self.mode.value, self.name[:8], peer.name[:8])
+        if exc is None:
+            metrics.TRANSFER_SECONDS.labels(*labels).observe(time.monotonic() - started)
+            metrics.TRANSFER_BYTES.labels(*labels, kind).inc(nbytes)
+            metrics.TRANSFERS.labels(*labels, kind).inc()
+        else:
+            metrics.TRANSFER_FAILURES.labels(*labels, type(exc).__name__).inc()
         if isinstance(exc, PeerUnreachable) and peer.name in self._peers:
             self.declare_dead(peer.name, exc)  # NIXL saw the disconnect: no need to wait for heartbeats
 
@@ -723,7 +751,7 @@ class KVManager:
             return [agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"),
                                           agent.get_xfer_descs(dst, "DRAM"), peer.name)]
 
-        return await self.post(peer, build, int(self._aux_items.sum()), what, kind="aux")
+        return await self.post(peer, build, int(self._aux_items.sum()), what, kind="aux", ndescs=len(src))
 
     def _deadline_for(self, nbytes: int) -> float:
         return self.config.xfer_deadline_base_s + nbytes / self.config.xfer_deadline_min_bytes_per_s
@@ -784,8 +812,13 @@ class KVManager:
     async def ensure_registered(self, rank: PrefillRank, addr: str) -> None:
         """Register with a prefill rank (once per incarnation); raises if it refuses."""
         fut = self._registrations.get(rank.agent_id)
+        started = time.monotonic()
         if fut is None:
             fut = self.loop.create_future()
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else
+                                  metrics.FIRST_CONTACT_SECONDS.labels(self.mode.value, self.name[:8],
+                                                                       rank.agent_id[:8]).observe(
+                                      time.monotonic() - started))
             self._registrations[rank.agent_id] = fut
             try:
                 if self._control is None:
@@ -860,6 +893,47 @@ class KVManager:
         await self._control.send(endpoint, msg)
 
     # -- introspection ----------------------------------------------------------------
+
+    def room_finished(self, result: KVPoll, exc: BaseException | None, seconds: float | None, peer: str) -> None:
+        """Metrics of a room that ended (called once per room by its sender or receiver)."""
+        reason = "" if exc is None else type(exc).__name__
+        metrics.ROOMS_FINISHED.labels(self.mode.value, self.name[:8], result.name.lower(), reason).inc()
+        if seconds is not None:
+            metrics.ROOM_SECONDS.labels(self.mode.value, self.name[:8], peer, result.name.lower()).observe(seconds)
+
+    def rooms_by_state(self) -> dict[str, int]:
+        counts = {state.name: 0 for state in KVPoll}
+        for sender in self._senders.values():
+            counts[sender.poll().name] += 1
+        for receiver in self._receivers.values():
+            counts[receiver.poll().name] += 1
+        return counts
+
+    def peers_snapshot(self) -> list[dict[str, Any]]:
+        """Known peers: id, endpoint, alive, last heard (monotonic), unfinished rooms with it."""
+        out = []
+        rooms: collections.Counter[str] = collections.Counter()
+        for sender in self._senders.values():
+            if sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+                rooms.update(sender._infos)
+        for recv in self._receivers.values():
+            if recv.poll() not in (KVPoll.Success, KVPoll.Failed) and recv._plan is not None:
+                rooms.update(r.agent_id for r in recv._plan.ranks)
+        for peer_id in [*self._peers, *self._rank_addr]:
+            state = self._liveness.get(peer_id)
+            if state is not None:
+                out.append({"peer": peer_id, "endpoint": state.endpoint, "alive": True,
+                            "last_heard": state.last_seen, "rooms": rooms[peer_id]})
+        return out
+
+    def dropped_messages(self) -> dict[str, int]:
+        dropped: collections.Counter[str] = collections.Counter()
+        if self._control is not None:
+            dropped.update(self._control.dropped)
+        for key, count in self.stats.items():
+            if key.startswith("dropped_"):
+                dropped[key.removeprefix("dropped_")] += count
+        return dict(dropped)
 
     def room_counts(self) -> dict[str, int]:
         """Per-room table sizes; all zero once every room was cleared."""

@@ -57,6 +57,7 @@ class KVReceiver:
         self._failing: BaseException | None = None
         self._initialized = False
         self._cleared = False
+        self._started: float | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     # -- public --------------------------------------------------------------------
@@ -98,6 +99,7 @@ class KVReceiver:
             raise InvalidArgument(f"decode_prefix_len must be a multiple of page_size {a.page_size}, "
                                   f"got {decode_prefix_len!r}")
         self._initialized = True
+        self._started = self._loop.time()
         self._timer = self._loop.call_later(self._mgr.config.waiting_timeout_s, self._on_waiting_timeout)
         try:
             instance = await self._mgr.prefill_instance(self.bootstrap_addr)
@@ -190,8 +192,7 @@ class KVReceiver:
                 and self._state.state == KVPoll.WaitingForInput and self._failing is None):
             self._state.apply(Event.TRANSFER_COMPLETED)
             self._cancel_timer()
-            if not self._done.done():
-                self._done.set_result(self._state.state)
+            self._resolve()
 
     def _on_waiting_timeout(self) -> None:
         self._timer = None
@@ -220,8 +221,14 @@ class KVReceiver:
             return
         self._cancel_timer()
         self._state.fail(self._failing)
-        if not self._done.done():
-            self._done.set_result(self._state.state)
+        self._resolve()
+
+    def _resolve(self) -> None:
+        if self._done.done():
+            return
+        seconds = None if self._started is None else self._loop.time() - self._started
+        self._mgr.room_finished(self._state.state, self._state.exception, seconds, self.bootstrap_addr)
+        self._done.set_result(self._state.state)
 
     def _on_fence_timeout(self) -> None:
         self._timer = None

@@ -55,6 +55,7 @@ class KVSender:
         self._failure_to_report = False
         self._concluding = False
         self._cleared = False
+        self._started: float | None = None
         self._timer: asyncio.TimerHandle | None = self._loop.call_later(
             mgr.config.bootstrap_timeout_s, self._on_bootstrap_timeout)
 
@@ -124,6 +125,8 @@ class KVSender:
                 raise InvalidArgument(f"room {self.room}: state_indices go with the last chunk")
             state = validate_pages(state_indices, args.num_state_slots, "prefill state indices")
         start = self._cursor
+        if self._started is None:
+            self._started = self._loop.time()
         self._cursor += n
         self._last_posted = is_last
         self._state.apply(Event.CHUNK_POSTED)
@@ -157,8 +160,9 @@ class KVSender:
                                   f"indices, the last chunk carried {got}")
         built = self._mgr.build_state(peer, state, info.dst_state_indices.astype(np.int64))
         if built is not None:
-            build, nbytes = built
-            self._track(await self._mgr.post(peer, build, nbytes, f"room {self.room} state", kind="state"))
+            build, nbytes, ndescs = built
+            self._track(await self._mgr.post(peer, build, nbytes, f"room {self.room} state", kind="state",
+                                             ndescs=ndescs))
 
     async def wait(self, timeout: float | None = None) -> KVPoll:
         """Wait for the room's outcome: Success or Failed (never raises for a failed transfer).
@@ -255,13 +259,13 @@ class KVSender:
                        start: int) -> None:
         mgr = self._mgr
         if len(src) * mgr.kv_args.num_entries >= mgr.config.offload_min_descs:
-            build = await asyncio.to_thread(mgr.build_kv, peer, src, dst)
+            build, ndescs = await asyncio.to_thread(mgr.build_kv, peer, src, dst)
         else:
-            build = mgr.build_kv(peer, src, dst)
+            build, ndescs = mgr.build_kv(peer, src, dst)
         if self._state.done:
             return  # failed or aborted while the descriptors were being built
         self._track(await mgr.post(peer, build, len(src) * mgr.page_bytes,
-                                   f"room {self.room} pages {start}..{start + len(src)}"))
+                                   f"room {self.room} pages {start}..{start + len(src)}", ndescs=ndescs))
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._posts.add(fut)
@@ -300,6 +304,9 @@ class KVSender:
             self._notify(False, self._state.reason or "failed")
 
     def _finish(self) -> None:
+        seconds = None if self._started is None else self._loop.time() - self._started
+        peer = next(iter(self._infos), "")[:8]
+        self._mgr.room_finished(self._state.state, self._state.exception, seconds, peer)
         if not self._ready.done():
             self._ready.set_result(self._state.state)
         if not self._done.done():

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 
 from asynckv import Config, KVManager, KVPoll, Mode
 from asynckv.testing import KVPool, fill_aux, fill_pages, verify_aux, verify_pages
+
+
+@pytest.fixture(scope="session", autouse=True)
+def netns_session() -> Iterator[tuple[str, str] | str]:
+    """The partition test's namespaces, made before this process creates its first UCX
+    context: UCX lists the host's network interfaces once, so a veth added later is
+    invisible to this process's agents."""
+    from .test_partition import drop_netns, make_netns
+
+    made = make_netns()
+    yield made
+    if not isinstance(made, str):
+        drop_netns(made)
 
 
 @dataclasses.dataclass

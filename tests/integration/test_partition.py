@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,17 +21,18 @@ from asynckv.testing import KVPool, verify_pages
 
 pytestmark = pytest.mark.integration
 
-HOST_IP, NS_IP = "10.231.7.1", "10.231.7.2"  # a private /30 that exists only between our namespaces
+_NET = f"10.231.{os.getpid() % 250}"  # a private /30 that exists only between our namespaces (one per run)
+HOST_IP, NS_IP = f"{_NET}.1", f"{_NET}.2"
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
 
 
-@pytest.fixture
-def netns() -> Iterator[tuple[str, str]]:
+def make_netns() -> tuple[str, str] | str:
+    """Create the namespace pair; returns (namespace, host interface) or why it cannot."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2 (ip); not available here")
+        return "network namespaces need root and iproute2 (ip); not available here"
     tag = f"{os.getpid() % 100000}"
     ns, host_if, ns_if = f"akv{tag}", f"akvh{tag}", f"akvp{tag}"
     steps = [("netns", "add", ns), ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
@@ -40,15 +40,24 @@ def netns() -> Iterator[tuple[str, str]]:
              ("link", "set", host_if, "up"), ("netns", "exec", ns, "ip", "addr", "add", f"{NS_IP}/30", "dev", ns_if),
              ("netns", "exec", ns, "ip", "link", "set", ns_if, "up"),
              ("netns", "exec", ns, "ip", "link", "set", "lo", "up")]
-    try:
-        for step in steps:
-            out = _ip(*step)
-            if out.returncode:
-                pytest.skip(f"cannot build the network namespaces (ip {' '.join(step)}: {out.stderr.strip()})")
-        yield ns, host_if
-    finally:
-        _ip("link", "del", host_if)
-        _ip("netns", "del", ns)
+    for step in steps:
+        out = _ip(*step)
+        if out.returncode:
+            drop_netns((ns, host_if))
+            return f"cannot build the network namespaces (ip {' '.join(step)}: {out.stderr.strip()})"
+    return ns, host_if
+
+
+def drop_netns(made: tuple[str, str]) -> None:
+    _ip("link", "del", made[1])
+    _ip("netns", "del", made[0])
+
+
+@pytest.fixture
+def netns(netns_session: tuple[str, str] | str) -> tuple[str, str]:
+    if isinstance(netns_session, str):
+        pytest.skip(netns_session)
+    return netns_session
 
 
 async def test_partition_is_detected_and_fails_rooms_on_both_sides(netns: tuple[str, str]) -> None:

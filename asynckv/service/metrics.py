@@ -1,0 +1,145 @@
+"""Prometheus metrics of every KVManager in this process, and the ops HTTP routes.
+
+Counters and histograms are updated where things happen (a post settles, a room ends, a
+peer is first contacted); gauges (rooms by state, peers and their heartbeats, in-flight
+bytes, dropped control messages) are read from the managers' own tables at scrape time,
+so they cost nothing between scrapes. Labels: ``mode`` (prefill/decode), ``manager``
+(the first 8 characters of its agent name), ``peer`` (the peer's agent name prefix) and,
+where it matters, ``kind``, ``result`` and ``reason``. A dead peer's series are removed.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .manager import KVManager
+
+__all__ = ["REGISTRY", "add_ops_routes", "peers_view"]
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+"""The registry ``/metrics`` serves (separate from prometheus_client's global one)."""
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+TRANSFER_BYTES = Counter("asynckv_transfer_bytes", "Bytes written to a peer (prefill), by kind (kv, aux, state)",
+                         ["mode", "manager", "peer", "kind"], registry=REGISTRY)
+TRANSFERS = Counter("asynckv_transfers", "NIXL posts that landed, by kind", ["mode", "manager", "peer", "kind"],
+                    registry=REGISTRY)
+TRANSFER_SECONDS = Histogram("asynckv_transfer_seconds", "Time from handing a post to the engine to all its writes "
+                             "landing", ["mode", "manager", "peer"], buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+DESCRIPTORS = Histogram("asynckv_descriptors_per_transfer", "Descriptors (or prepared indices) per NIXL post, "
+                        "before NIXL merges runs", ["mode", "manager", "peer"],
+                        buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144), registry=REGISTRY)
+TRANSFER_FAILURES = Counter("asynckv_transfer_failures", "NIXL posts that failed, by reason",
+                            ["mode", "manager", "peer", "reason"], registry=REGISTRY)
+ROOM_SECONDS = Histogram("asynckv_room_seconds", "Room latency: prefill from the first send(), decode from init(), "
+                         "to the outcome", ["mode", "manager", "peer", "result"], buckets=_LATENCY_BUCKETS,
+                         registry=REGISTRY)
+ROOMS_FINISHED = Counter("asynckv_rooms_finished", "Rooms that ended, by result and failure reason",
+                         ["mode", "manager", "result", "reason"], registry=REGISTRY)
+FIRST_CONTACT_SECONDS = Histogram("asynckv_first_contact_seconds", "Registration of a new peer plus the warm-up "
+                                  "write (prefill) or the registration round trip (decode)",
+                                  ["mode", "manager", "peer"], buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+PEERS_DEAD = Counter("asynckv_peers_dead", "Peers declared dead (silence, disconnect, restart)",
+                     ["mode", "manager", "reason"], registry=REGISTRY)
+
+_MANAGERS: weakref.WeakSet[KVManager] = weakref.WeakSet()
+
+
+def register_manager(mgr: KVManager) -> None:
+    _MANAGERS.add(mgr)
+
+
+def forget_manager(mgr: KVManager) -> None:
+    _MANAGERS.discard(mgr)
+    labels = {"mode": mgr.mode.value, "manager": mgr.name[:8]}
+    for metric in (TRANSFER_BYTES, TRANSFERS, TRANSFER_SECONDS, DESCRIPTORS, TRANSFER_FAILURES, ROOM_SECONDS,
+                   ROOMS_FINISHED, FIRST_CONTACT_SECONDS, PEERS_DEAD):
+        _remove_matching(metric, labels)
+
+
+def forget_peer(mgr: KVManager, peer: str) -> None:
+    """Drop a dead peer's series so restarts do not grow the label set forever."""
+    labels = {"mode": mgr.mode.value, "manager": mgr.name[:8], "peer": peer[:8]}
+    for metric in (TRANSFER_BYTES, TRANSFERS, TRANSFER_SECONDS, DESCRIPTORS, TRANSFER_FAILURES,
+                   FIRST_CONTACT_SECONDS):
+        _remove_matching(metric, labels)
+
+
+def _remove_matching(metric: Any, labels: dict[str, str]) -> None:
+    names = metric._labelnames
+    for values in list(metric._metrics):
+        row = dict(zip(names, values, strict=True))
+        if all(row.get(k) == v for k, v in labels.items()):
+            metric.remove(*values)
+
+
+class _LiveCollector(Collector):
+    """Gauges read from the live managers at scrape time."""
+
+    def collect(self) -> Iterator[Any]:
+        rooms = GaugeMetricFamily("asynckv_rooms", "Rooms by state", labels=["mode", "manager", "state"])
+        peer_up = GaugeMetricFamily("asynckv_peer_up", "1 while a peer answers heartbeats",
+                                    labels=["mode", "manager", "peer", "endpoint"])
+        heard = GaugeMetricFamily("asynckv_peer_last_heard_seconds", "Seconds since a peer was last heard from",
+                                  labels=["mode", "manager", "peer"])
+        inflight = GaugeMetricFamily("asynckv_inflight_bytes", "Bytes posted and not yet landed",
+                                     labels=["mode", "manager"])
+        dropped = CounterMetricFamily("asynckv_control_dropped", "Control messages dropped, by reason",
+                                      labels=["mode", "manager", "reason"])
+        healthy = GaugeMetricFamily("asynckv_manager_healthy", "1 while reader, engine thread and heartbeats run",
+                                    labels=["mode", "manager"])
+        now = time.monotonic()
+        for mgr in list(_MANAGERS):
+            base = [mgr.mode.value, mgr.name[:8]]
+            for state, count in mgr.rooms_by_state().items():
+                rooms.add_metric([*base, state], count)
+            for peer in mgr.peers_snapshot():
+                peer_up.add_metric([*base, peer["peer"][:8], peer["endpoint"]], 1.0 if peer["alive"] else 0.0)
+                heard.add_metric([*base, peer["peer"][:8]], max(0.0, now - peer["last_heard"]))
+            inflight.add_metric(base, mgr.room_counts()["inflight_bytes"])
+            for reason, count in mgr.dropped_messages().items():
+                dropped.add_metric([*base, reason], count)
+            healthy.add_metric(base, 1.0 if mgr.healthy else 0.0)
+        yield from (rooms, peer_up, heard, inflight, dropped, healthy)
+
+
+REGISTRY.register(_LiveCollector())
+
+
+def peers_view() -> list[dict[str, Any]]:
+    """Every live manager's known peers (the ``/peers`` JSON)."""
+    now = time.monotonic()
+    out = []
+    for mgr in list(_MANAGERS):
+        for peer in mgr.peers_snapshot():
+            out.append({"manager": mgr.name, "mode": mgr.mode.value, "peer": peer["peer"],
+                        "incarnation": peer["peer"], "endpoint": peer["endpoint"],
+                        "state": "alive" if peer["alive"] else "dead",
+                        "last_heartbeat_s_ago": round(max(0.0, now - peer["last_heard"]), 3),
+                        "inflight_rooms": peer["rooms"]})
+    return out
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(REGISTRY)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _peers(request: web.Request) -> web.Response:
+    return web.json_response({"peers": peers_view()})
+
+
+def add_ops_routes(app: web.Application) -> None:
+    """``GET /metrics`` (Prometheus text) and ``GET /peers`` (JSON)."""
+    app.router.add_route("GET", "/metrics", _metrics)
+    app.router.add_route("GET", "/peers", _peers)

@@ -1,0 +1,81 @@
+"""Metrics, /peers and a /health that tells the truth, over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+import pytest
+
+from asynckv import KVPoll
+
+from .conftest import make_pair, transfer_room
+
+pytestmark = pytest.mark.integration
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            out.append((labels, float(m.group(2))))
+    return out
+
+
+async def test_metrics_have_per_peer_series_with_real_values() -> None:
+    async with make_pair(ops_port=0) as pair, aiohttp.ClientSession() as http:
+        assert await transfer_room(pair, 3, [1, 2, 3], [4, 5, 6], src_aux=0, dst_aux=1) == (
+            KVPoll.Success, KVPoll.Success)
+        async with http.get(f"http://{pair.addr}/metrics") as resp:
+            assert resp.status == 200 and resp.content_type.startswith("text/plain")
+            text = await resp.text()
+        peer = pair.decode.name[:8]
+        kv = [v for labels, v in samples(text, "asynckv_transfer_bytes_total")
+              if labels == {"mode": "prefill", "manager": pair.prefill.name[:8], "peer": peer, "kind": "kv"}]
+        assert kv == [3 * pair.prefill.page_bytes]
+        assert any(v == 1 for labels, v in samples(text, "asynckv_transfers_total") if labels["kind"] == "aux")
+        assert any(labels["peer"] == peer and v >= 1
+                   for labels, v in samples(text, "asynckv_transfer_seconds_count"))
+        assert any(labels["peer"] == peer for labels, _ in samples(text, "asynckv_descriptors_per_transfer_bucket"))
+        assert any(labels["mode"] == "decode" and labels["result"] == "success" and v == 1
+                   for labels, v in samples(text, "asynckv_rooms_finished_total"))
+        assert any(labels["mode"] == "prefill" and labels["peer"] == peer
+                   for labels, _ in samples(text, "asynckv_first_contact_seconds_count"))
+        assert any(labels["peer"] == peer and v == 1 for labels, v in samples(text, "asynckv_peer_up"))
+        assert {labels["state"] for labels, _ in samples(text, "asynckv_rooms")} >= {"Success", "Failed"}
+        assert samples(text, "asynckv_manager_healthy")
+        # The decode manager serves the same on its own ops port.
+        assert pair.decode.ops_server is not None
+        async with http.get(f"http://{pair.decode.ops_server.addr}/peers") as resp:
+            peers = (await resp.json())["peers"]
+        assert {p["peer"] for p in peers if p["mode"] == "decode"} == {pair.prefill.name}
+        assert all(p["state"] == "alive" and p["last_heartbeat_s_ago"] < 5 for p in peers)
+
+
+async def test_dropped_messages_and_failures_are_counted_by_reason() -> None:
+    async with make_pair(bootstrap_timeout_s=0.1) as pair, aiohttp.ClientSession() as http:
+        sender = pair.prefill.sender(8)
+        assert await sender.wait(5) == KVPoll.Failed
+        async with http.get(f"http://{pair.addr}/metrics") as resp:
+            text = await resp.text()
+        assert any(labels["reason"] == "BootstrapTimeout" and labels["result"] == "failed" and v == 1
+                   for labels, v in samples(text, "asynckv_rooms_finished_total"))
+
+
+async def test_health_fails_when_the_reader_dies() -> None:
+    async with make_pair(ops_port=0) as pair, aiohttp.ClientSession() as http:
+        async with http.get(f"http://{pair.addr}/health") as resp:
+            assert resp.status == 200
+        control = pair.prefill._control
+        assert control is not None and control._reader is not None
+        control._reader.cancel()  # a reader that died, as the reference connector's did
+        await asyncio.sleep(0.05)
+        async with http.get(f"http://{pair.addr}/health") as resp:
+            body = await resp.json()
+            assert resp.status == 503 and body["failing"]
+        assert pair.decode.ops_server is not None
+        async with http.get(f"http://{pair.decode.ops_server.addr}/health") as resp:
+            assert resp.status == 200
