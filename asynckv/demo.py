@@ -48,6 +48,8 @@ class DemoSpec:
     chunk_delay_s: float = 0.0
     """Prefill sleeps this long between chunks (fault tests keep rooms in flight with it)."""
     heartbeat_interval_s: float = 0.5
+    fill: bool = True
+    """Prefill writes each request's pattern into its pages (benchmarks turn it off)."""
 
     @property
     def entries(self) -> int:
@@ -114,8 +116,9 @@ async def _prefill(spec: DemoSpec) -> int:
             nonlocal failures
             async with gate:
                 pages, row = slots.take(req.num_pages)
-                await asyncio.to_thread(fill_pages, pool, req.room, pages)
-                fill_aux(pool, req.room, row)
+                if spec.fill:
+                    await asyncio.to_thread(fill_pages, pool, req.room, pages)
+                    fill_aux(pool, req.room, row)
                 sender = mgr.sender(req.room)
                 if await sender.wait_ready() == KVPoll.WaitingForInput:
                     sender.init(req.num_pages, row)

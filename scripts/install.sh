@@ -12,5 +12,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1' 'nixl-cu13==1.5.1'
-"${PIP[@]}" install -q -e '.[test,fast]' 2>&1 | grep -v -e "dependency resolver" -e "requires torch" || true
+"${PIP[@]}" install -q -e '.[test,fast,bench]' 2>&1 | grep -v -e "dependency resolver" -e "requires torch" || true
 .venv/bin/python -c "import nixl._api, asynckv" || { echo "install failed: nixl or asynckv does not import" >&2; exit 1; }

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 from benchmarks import bench_head_slice
+
+ROOT = pathlib.Path(__file__).parent.parent
 
 
 def test_head_slice_benchmark_smoke(tmp_path: pathlib.Path) -> None:
@@ -13,3 +19,18 @@ def test_head_slice_benchmark_smoke(tmp_path: pathlib.Path) -> None:
     saved = json.loads((tmp_path / "head_slice.json").read_text())
     assert saved["rows"][0]["descriptors"] == result["rows"][0]["descriptors"] == 2 * 16 * 16  # type: ignore[index]
     assert saved["machine"]["cores"] >= 1
+
+
+@pytest.mark.slow
+def test_every_benchmark_runs_at_a_tiny_size(tmp_path: pathlib.Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    written = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert written == ["concurrency.json", "first_contact.json", "head_slice.json", "idle.json", "kernels.json",
+                       "seed_workload.json", "small_requests.json", "throughput.json"]
+    for name in written:
+        data = json.loads((tmp_path / name).read_text())
+        assert data["machine"]["versions"]["numpy"] and data["question"]
+    assert "| Q1 bulk" not in out.stdout or "x raw" in out.stdout
+    assert (tmp_path / "throughput.png").exists()

@@ -345,19 +345,20 @@ class KVManager:
         """Heartbeat and lease state of a peer this manager works with."""
         return self._liveness.get(peer_id)
 
-    def declare_dead(self, peer_id: str, exc: BaseException) -> None:
-        """Treat a peer as dead now: fail exactly the rooms that involve it, forget it."""
+    def declare_dead(self, peer_id: str, exc: BaseException, farewell: bool = False) -> None:
+        """Treat a peer as dead now: fail exactly the rooms that involve it, forget it.
+        ``farewell``: the peer said goodbye itself (a normal shutdown, not worth a warning)."""
         state = self._liveness.remove(peer_id)
         if state is None:
             state = PeerState(peer_id, "", 0.0, 0.0)
-        self._peer_dead(state, exc)
+        self._peer_dead(state, exc, farewell)
 
-    def _peer_dead(self, state: PeerState, exc: BaseException) -> None:
-        log.warning("%s: %s", self.mode.value, exc)
+    def _peer_dead(self, state: PeerState, exc: BaseException, farewell: bool = False) -> None:
+        log.log(logging.INFO if farewell else logging.WARNING, "%s: %s", self.mode.value, exc)
         self.stats["peers_dead"] += 1
         metrics.PEERS_DEAD.labels(self.mode.value, self.name[:8], type(exc).__name__).inc()
         metrics.forget_peer(self, state.peer_id)
-        if state.endpoint and not self._closed:  # if it is alive after all, it must forget us too
+        if state.endpoint and not self._closed and not farewell:  # if it is alive after all, it must forget us too
             self._spawn(self._reply(state.endpoint, Bye(self.name, f"declared dead: {exc}")), "asynckv-bye")
         if self.mode is Mode.PREFILL:
             self._engine.cancel_peer(state.peer_id, exc)
@@ -461,7 +462,8 @@ class KVManager:
             return
         if isinstance(msg, Bye):
             if msg.sender_id in self._liveness:
-                self.declare_dead(msg.sender_id, PeerUnreachable(f"peer {msg.sender_id[:8]} closed: {msg.reason}"))
+                self.declare_dead(msg.sender_id, PeerUnreachable(f"peer {msg.sender_id[:8]} closed: {msg.reason}"),
+                                  farewell=True)
             return
         if self.mode is Mode.PREFILL:
             if isinstance(msg, Register):

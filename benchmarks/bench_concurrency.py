@@ -1,0 +1,95 @@
+"""Q3 concurrency: 1,000 rooms in flight on one pair: throughput, request latency p50/p99
+and event-loop lag p99 (target at most 5 ms), on asyncio and on uvloop.
+
+Each loop runs in its own child process (one in-process pair, 4-page requests of 2 x 32 KiB
+pages, 4,000 rooms with 1,000 in flight); a ticker task measures how late 1 ms sleeps wake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from ._common import write_result
+from ._pairs import pair, room
+
+
+async def _run(rooms: int, inflight: int) -> dict[str, float]:
+    lags: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        while not stop:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - t - 0.001)
+
+    async with pair(2, inflight * 4, 32 * 1024) as (p, d):
+        gate = asyncio.Semaphore(inflight)
+        latencies: list[float] = []
+
+        async def one(i: int) -> None:
+            async with gate:
+                k = i % inflight
+                pages = np.arange(4) + 4 * k
+                latencies.append(await room(p, d, i + 1, pages, pages))
+
+        tick = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(rooms)))
+        elapsed = time.perf_counter() - t0
+        stop = True
+        await tick
+    lat = np.asarray(latencies) * 1e3
+    return {"rooms": rooms, "inflight": inflight, "rooms_per_s": rooms / elapsed,
+            "gbps": rooms * 4 * 2 * 32 * 1024 / elapsed / 1e9, "latency_p50_ms": float(np.percentile(lat, 50)),
+            "latency_p99_ms": float(np.percentile(lat, 99)),
+            "loop_lag_p99_ms": float(np.percentile(np.asarray(lags) * 1e3, 99)),
+            "loop_lag_max_ms": float(max(lags) * 1e3)}
+
+
+def child(loop: str, rooms: int, inflight: int) -> None:
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.install()
+    print("RESULT " + json.dumps(asyncio.run(_run(rooms, inflight))), flush=True)
+
+
+def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rooms", type=int, default=4000)
+    parser.add_argument("--inflight", type=int, default=1000)
+    parser.add_argument("--child", choices=["asyncio", "uvloop"])
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child, args.rooms, args.inflight)
+        return {}
+    print(f"Q3 {args.inflight} rooms in flight ({args.rooms} rooms):")
+    rows = []
+    for loop in ("asyncio", "uvloop"):
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_concurrency", "--child", loop, "--rooms",
+                              str(args.rooms), "--inflight", str(args.inflight)], capture_output=True, text=True,
+                             cwd=pathlib.Path(__file__).parent.parent, timeout=600)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"{loop} run failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        row = {"loop": loop, **json.loads(line[7:])}
+        rows.append(row)
+        print(f"  {loop:8s}: {row['rooms_per_s']:7.0f} rooms/s, latency p50 {row['latency_p50_ms']:7.1f} ms "
+              f"p99 {row['latency_p99_ms']:7.1f} ms, loop lag p99 {row['loop_lag_p99_ms']:.2f} ms "
+              f"(max {row['loop_lag_max_ms']:.1f})", flush=True)
+    result = {"question": __doc__.strip().splitlines()[0], "rows": rows}
+    write_result("concurrency", result, out_dir)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

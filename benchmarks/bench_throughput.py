@@ -1,0 +1,83 @@
+"""Q1 bulk throughput: GB/s of asynckv end to end (decode's wait() resolved) against raw
+NIXL moving the same pages with a minimal loop, and against np.copyto of the same bytes,
+for requests from 64 KiB to 1 GiB, contiguous and with scattered pages.
+
+Layout: one layer's K and V entries, 32 KiB pages (64 KiB per page index). asynckv and
+raw NIXL run in the same process over the same kind of buffers; bytes are verified
+outside the timed region. Target: asynckv at least 0.9x raw NIXL from 16 MiB up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from asynckv.testing import fill_pages, verify_pages
+
+from ._common import write_result
+from ._pairs import RawNixl, pair, room, run
+
+ITEM = 32 * 1024
+PAGE_BYTES = 2 * ITEM
+
+
+async def measure(sizes: list[int], reps: int) -> list[dict[str, object]]:
+    rows = []
+    max_pages = max(sizes) // PAGE_BYTES
+    async with pair(2, max_pages, ITEM) as (p, d):
+        ppool, dpool = p._bench_pools  # type: ignore[attr-defined]
+        raw = RawNixl(ppool, dpool)
+        rng = np.random.default_rng(0)
+        await room(p, d, 10**9, np.arange(1), np.arange(1))  # first contact happens here, not in the timings
+        room_id = 1
+        try:
+            for size in sizes:
+                n = size // PAGE_BYTES
+                for layout in ("contiguous", "scattered"):
+                    src = np.arange(n) if layout == "contiguous" else rng.permutation(max_pages)[:n]
+                    dst = np.arange(n) if layout == "contiguous" else rng.permutation(max_pages)[:n]
+                    fill_pages(ppool, room_id, src)
+                    t_kv, t_raw, t_copy = [], [], []
+                    for _ in range(reps):
+                        t_raw.append(raw.write(src, dst))
+                        t_kv.append(await room(p, d, room_id, src, dst))
+                        if verify_pages(dpool, room_id, dst):
+                            raise RuntimeError("asynckv delivered wrong bytes")
+                        a, b = ppool.kv[:, :n], dpool.kv[:, :n]
+                        t = time.perf_counter()
+                        np.copyto(b, a)
+                        t_copy.append(time.perf_counter() - t)
+                        room_id += 1
+                        fill_pages(ppool, room_id, src)
+                    kv, rw, cp = (size / statistics.median(t) / 1e9 for t in (t_kv, t_raw, t_copy))
+                    rows.append({"bytes": size, "layout": layout, "asynckv_gbps": kv, "raw_nixl_gbps": rw,
+                                 "copyto_gbps": cp, "ratio_vs_raw": kv / rw})
+                    print(f"  {size / 2**20:8.2f} MiB {layout:10s}: asynckv {kv:6.2f} GB/s, raw NIXL {rw:6.2f}, "
+                          f"np.copyto {cp:6.2f}  -> {kv / rw:.2f}x raw", flush=True)
+        finally:
+            raw.close()
+    return rows
+
+
+def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes-mib", type=float, nargs="*", default=[0.0625, 1, 16, 64, 256, 1024])
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    sizes = [int(s * 2**20) // PAGE_BYTES * PAGE_BYTES or PAGE_BYTES for s in args.sizes_mib]
+    print("Q1 bulk throughput (asynckv vs raw NIXL vs np.copyto):")
+    rows = run(measure(sizes, args.reps))
+    big = [r for r in rows if int(r["bytes"]) >= 16 * 2**20]  # type: ignore[call-overload]
+    result = {"question": __doc__.strip().splitlines()[0], "rows": rows,
+              "min_ratio_from_16MiB": min((float(r["ratio_vs_raw"]) for r in big), default=None)}  # type: ignore[arg-type]
+    write_result("throughput", result, out_dir)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""The summary table (markdown, for the READMEs) and one PNG chart per question."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+
+def _load(out: pathlib.Path, name: str) -> dict[str, Any] | None:
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def render(out: pathlib.Path, charts: bool = False) -> str:
+    lines = ["| question | asynckv | baseline (same run) | ratio | target |", "|---|---|---|---|---|"]
+    tp = _load(out, "throughput")
+    if tp:
+        for r in tp["rows"]:
+            if r["bytes"] >= 16 * 2**20:
+                lines.append(f"| Q1 bulk {r['bytes'] / 2**20:.0f} MiB {r['layout']} | {r['asynckv_gbps']:.2f} GB/s | "
+                             f"raw NIXL {r['raw_nixl_gbps']:.2f} GB/s, np.copyto {r['copyto_gbps']:.2f} | "
+                             f"{r['ratio_vs_raw']:.2f}x raw | >= 0.9x |")
+    sm = _load(out, "small_requests")
+    if sm:
+        for r in sm["rows"]:
+            lines.append(f"| Q2 {r['pages']}-page request p50 / p99 | {r['asynckv_p50_ms']:.2f} / "
+                         f"{r['asynckv_p99_ms']:.2f} ms, {r['asynckv_rps']:.0f} req/s | raw WRITE+notif "
+                         f"{r['raw_p50_ms']:.3f} / {r['raw_p99_ms']:.3f} ms | +{r['added_p50_ms']:.2f} ms | "
+                         f"<= +1 ms |")
+    cc = _load(out, "concurrency")
+    if cc:
+        for r in cc["rows"]:
+            lines.append(f"| Q3 {r['inflight']} rooms in flight, {r['loop']} | {r['rooms_per_s']:.0f} rooms/s, "
+                         f"p50 {r['latency_p50_ms']:.0f} / p99 {r['latency_p99_ms']:.0f} ms | loop lag p99 "
+                         f"{r['loop_lag_p99_ms']:.2f} ms | | lag <= 5 ms |")
+    kn = _load(out, "kernels")
+    if kn:
+        for r in kn["rows"]:
+            if r["pages"] >= 16384:
+                lines.append(f"| Q4 {r['model']} {r['pages']} pages {r['layout']} | {r['coalesced_ms']:.1f} ms "
+                             f"({r['descriptors']} descs); prepped {r['prepped_indices_ms']:.1f} ms | Python "
+                             f"{r['python_ms']:.0f} ms ({r['python_descriptors']} descs) | "
+                             f"{r['speedup_coalesced']:.0f}x / {r['speedup_prepped']:.0f}x | |")
+        lines.append(f"| Q4 offload crossover | {kn['offload_crossover_rows_prepped']} rows (prepped), "
+                     f"{kn['offload_crossover_rows_descriptors']} (coalesced) | thread hop "
+                     f"{kn['thread_hop_us']:.0f} us | | |")
+    idle = _load(out, "idle")
+    if idle:
+        lines.append(f"| Q5 idle pair CPU | {idle['idle_pair_cpu_pct']:.1f}% of a core; "
+                     f"{idle['waiting_rooms_cpu_pct']:.1f}% with {idle['rooms_waiting']} rooms waiting | | | < 5% |")
+    fc = _load(out, "first_contact")
+    if fc:
+        lines.append(f"| Q6 first contact | median {fc['median_ms']:.1f} ms, p90 {fc['p90_ms']:.1f} ms | | | "
+                     f"< 100 ms |")
+    hs = _load(out, "head_slice")
+    if hs:
+        for r in hs["rows"]:
+            lines.append(f"| head-slice kernel {r['pages']} pages | {r['numpy_ms']:.1f} ms | per-token Python "
+                         f"{r['python_ms']:.0f} ms | {r['speedup']:.0f}x | |")
+    sw = _load(out, "seed_workload")
+    if sw:
+        for r in sw["rows"]:
+            lines.append(f"| seed workload: {r['workload']} | {r['gbps']:.2f} GB/s, {r['rps']:.0f} req/s, p50 "
+                         f"{r['p50_ms']:.0f} / p99 {r['p99_ms']:.0f} ms | reference connector (its document): "
+                         f"{r['seed_gbps']} GB/s, p50 {r['seed_p50_ms']} / p99 {r['seed_p99_ms']} ms | "
+                         f"{r['gbps_ratio']:.1f}x GB/s, {r['p50_ratio']:.1f}x lower p50 | beat it widely |")
+    if charts:
+        _charts(out)
+    return "\n".join(lines)
+
+
+def _charts(out: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    tp = _load(out, "throughput")
+    if tp:
+        rows = [r for r in tp["rows"] if r["layout"] == "scattered"]
+        labels = [f"{r['bytes'] / 2**20:g} MiB" for r in rows]
+        x = range(len(rows))
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for k, (key, name) in enumerate((("asynckv_gbps", "asynckv"), ("raw_nixl_gbps", "raw NIXL"),
+                                         ("copyto_gbps", "np.copyto"))):
+            ax.bar([i + 0.27 * (k - 1) for i in x], [r[key] for r in rows], 0.27, label=name)
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel("GB/s")
+        ax.set_title("Q1 bulk throughput, scattered pages (higher is better)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "throughput.png", dpi=100)
+        plt.close(fig)
+    sm = _load(out, "small_requests")
+    if sm:
+        rows = sm["rows"]
+        x = range(len(rows))
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar([i - 0.2 for i in x], [r["asynckv_p50_ms"] for r in rows], 0.4, label="asynckv room p50")
+        ax.bar([i + 0.2 for i in x], [r["raw_p50_ms"] for r in rows], 0.4, label="raw WRITE+notif p50")
+        ax.set_xticks(list(x), [f"{r['pages']} pages" for r in rows])
+        ax.set_ylabel("ms")
+        ax.set_title("Q2 small-request latency (lower is better)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "small_requests.png", dpi=100)
+        plt.close(fig)
+    sw = _load(out, "seed_workload")
+    if sw:
+        rows = sw["rows"]
+        x = range(len(rows))
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.bar([i - 0.2 for i in x], [r["gbps"] for r in rows], 0.4, label="asynckv")
+        ax.bar([i + 0.2 for i in x], [r["seed_gbps"] for r in rows], 0.4, label="reference connector")
+        ax.set_xticks(list(x), [r["workload"].replace(", ", "\n") for r in rows], fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_title("The reference connector's workload (higher is better)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "seed_workload.png", dpi=100)
+        plt.close(fig)
