@@ -109,7 +109,7 @@ async def _prefill(spec: DemoSpec) -> int:
 
     async with KVManager(Mode.PREFILL, pool.kv_args(spec.page_size, is_mla=spec.mla),
                          bootstrap_addr=spec.bootstrap,
-                         config=Config.from_env(host_bootstrap=False,
+                         config=Config.from_env(host_bootstrap=False, ops_port=0,
                                                 heartbeat_interval_s=spec.heartbeat_interval_s)) as mgr:
 
         async def serve(req: Request) -> None:
@@ -133,7 +133,18 @@ async def _prefill(spec: DemoSpec) -> int:
                 slots.give(pages, row)
 
         await asyncio.gather(*(serve(r) for r in spec.plan()))
+        if mgr.ops_server is not None:  # what an operator's scrape of this rank shows now
+            _emit("metrics", lines=await _scrape(mgr.ops_server.addr))
     return 0 if failures == 0 else 1
+
+
+async def _scrape(addr: str) -> list[str]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(f"http://{addr}/metrics") as resp:
+        text = await resp.text()
+    wanted = ("asynckv_transfer_bytes_total", "asynckv_transfers_total", "asynckv_peer_up")
+    return [line for line in text.splitlines() if line.startswith(wanted)]
 
 
 async def _decode(spec: DemoSpec) -> int:
@@ -226,6 +237,10 @@ async def _run(spec: DemoSpec, out: Any) -> int:
                           f"{ev['bytes'] / 1e9:.2f} GB, {rate:.2f} GB/s", file=out, flush=True)
                 elif ev["event"] == "summary":
                     summary.update(ev)
+                elif ev["event"] == "metrics":
+                    print(f"  [{role}] GET /metrics (per-peer series):", file=out)
+                    for line in ev["lines"]:
+                        print(f"    {line}", file=out)
                 else:
                     print(f"  [{role}] {ev}", file=out, flush=True)
 

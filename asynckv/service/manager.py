@@ -138,7 +138,10 @@ class KVManager:
         self.ops_server: OpsServer | None = None
 
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine = NixlEngine(self.name, backend=self.config.nixl_backend, idle_poll_s=self.config.idle_poll_s)
+        # A decode target must keep progressing while prefill may write into it (an unpolled
+        # target stalls its initiators); with no room waiting it can sleep longer.
+        self._engine = NixlEngine(self.name, backend=self.config.nixl_backend, idle_poll_s=self.config.idle_poll_s,
+                                  expecting=(lambda: bool(self._receivers)) if mode is Mode.DECODE else (lambda: False))
         self._ctx: zmq.asyncio.Context | None = None
         self._control: ControlChannel | None = None
         self._http = BootstrapClient(self.config.http_timeout_s, self.config.auth_token)

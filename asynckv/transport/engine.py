@@ -79,10 +79,15 @@ class _Post:
 class NixlEngine:
     """One NIXL agent plus the thread that owns it."""
 
-    def __init__(self, name: str, *, backend: str = "UCX", idle_poll_s: float = 0.001) -> None:
+    def __init__(self, name: str, *, backend: str = "UCX", idle_poll_s: float = 0.001,
+                 deep_idle_s: float = 0.01, expecting: Callable[[], bool] | None = None) -> None:
         self.name = name
         self._backend = backend
         self._idle_poll_s = idle_poll_s
+        self._deep_idle_s = max(deep_idle_s, idle_poll_s)
+        self._expecting = expecting
+        """True while peers may write to us (decode rooms waiting): keep the target progressing
+        every ``idle_poll_s``; otherwise back off to ``deep_idle_s`` (our own posts wake us)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[_Call | _Post | None] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -259,7 +264,8 @@ class NixlEngine:
             else:
                 self._wake.wait(idle_wait)
                 self._wake.clear()
-                idle_wait = min(idle_wait * 2, self._idle_poll_s)
+                expecting = self._expecting is None or self._expecting()
+                idle_wait = min(idle_wait * 2, self._idle_poll_s if expecting else self._deep_idle_s)
 
     def _start_post(self, agent: Any, post: _Post, done: list[Any]) -> bool:
         """Create and post the handles; returns whether any is still in flight."""

@@ -26,6 +26,10 @@ def test_demo_moves_and_verifies_every_byte(extra: list[str]) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     summary = [line for line in out.stdout.splitlines() if line.startswith("summary:")]
     assert len(summary) == 1 and "12 requests" in summary[0] and "every byte verified" in summary[0]
+    # The prefill rank's own /metrics, scraped during the demo, has per-peer series with real values.
+    kv_bytes = [line for line in out.stdout.splitlines() if "asynckv_transfer_bytes_total{" in line
+                and 'kind="kv"' in line and 'mode="prefill"' in line and 'peer="' in line]
+    assert kv_bytes and float(kv_bytes[0].split()[-1]) > 0, out.stdout
 
 
 async def test_decode_in_this_process_receives_from_a_prefill_process() -> None:

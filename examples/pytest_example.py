@@ -1,0 +1,55 @@
+"""How to test your serving stack's KV hand-off with pytest-asyncio and asynckv.testing.
+
+Run as a script (it runs pytest on itself) or collect it with your own pytest.
+"""
+
+import sys
+
+import pytest
+
+from asynckv import Config, KVManager, KVPoll, Mode
+from asynckv.testing import FaultInjector, KVPool, fill_pages, inject, verify_pages
+
+
+@pytest.fixture
+async def pair():
+    prefill_pool, decode_pool = KVPool(4, 32, 256), KVPool(4, 32, 256)
+    cfg = Config(waiting_timeout_s=10)
+    async with KVManager(Mode.PREFILL, prefill_pool.kv_args(4), bootstrap_addr="127.0.0.1:0", config=cfg) as p, \
+            KVManager(Mode.DECODE, decode_pool.kv_args(4), config=cfg) as d:
+        yield p, d, prefill_pool, decode_pool
+
+
+async def hand_off(p, d, room, src, dst):
+    receiver = d.receiver(p.bootstrap_addr, room)
+    await receiver.init(dst)
+    sender = p.sender(room)
+    await sender.wait_ready()
+    sender.init(len(src))
+    await sender.send(src)
+    return receiver
+
+
+@pytest.mark.asyncio
+async def test_pages_arrive(pair):
+    p, d, prefill_pool, decode_pool = pair
+    fill_pages(prefill_pool, room=7, pages=[0, 1, 2])
+    receiver = await hand_off(p, d, 7, [0, 1, 2], [9, 4, 5])
+    assert await receiver.wait() == KVPoll.Success
+    assert verify_pages(decode_pool, room=7, pages=[9, 4, 5]) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_failing_transfer_is_reported_not_hung(pair):
+    p, d, _, _ = pair
+    injector = FaultInjector()
+    inject(p, injector)
+    injector.fail_next(1)
+    receiver = await hand_off(p, d, 8, [0], [0])
+    assert await receiver.wait() == KVPoll.Failed
+    assert "injected failure" in receiver.failure_reason
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", "-o", "asyncio_mode=auto",
+                          "-W", "ignore::pytest.PytestAssertRewriteWarning"]))
