@@ -37,6 +37,17 @@ def validate_pages(pages: Any, num_pages: int, what: str = "page indices") -> In
     if arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{what} must be integers, got dtype {arr.dtype}")
     out = arr.astype(np.int64, copy=False)
+    if out.size <= 64:  # small requests: plain Python beats numpy's per-call overhead
+        values = out.tolist()
+        lo, hi = min(values), max(values)
+        if lo < 0 or hi >= num_pages:
+            raise InvalidArgument(f"{what}: index {lo if lo < 0 else hi} outside the registered range "
+                                  f"[0, {num_pages})")
+        if len(set(values)) != len(values):
+            seen: set[int] = set()
+            dup = next(v for v in values if v in seen or seen.add(v))  # type: ignore[func-returns-value]
+            raise InvalidArgument(f"{what}: page {dup} appears more than once")
+        return out
     lo, hi = int(out.min()), int(out.max())
     if lo < 0 or hi >= num_pages:
         bad = lo if lo < 0 else hi

@@ -56,7 +56,7 @@ from ..proto.messages import (
 )
 from ..proto.peers import Liveness, PeerState
 from ..proto.states import KVPoll
-from ..proto.topology import PeerPlan, PrefillInstance, check_compatible, plan_peer
+from ..proto.topology import PeerPlan, PrefillInstance, TargetPlan, check_compatible, plan_peer, plan_targets
 from ..transport.control import ControlChannel
 from ..transport.engine import NixlEngine
 from . import metrics
@@ -166,6 +166,7 @@ class KVManager:
         self._instance_locks: dict[str, asyncio.Lock] = {}
         self._registrations: dict[str, asyncio.Future[None]] = {}
         self._rank_addr: dict[str, str] = {}
+        self._plans: dict[tuple[str, int], tuple[PrefillInstance, TargetPlan]] = {}
         # both: heartbeats to every peer we work with (decode ranks, or prefill ranks)
         self._liveness = Liveness(self.config.heartbeat_interval_s, self.config.heartbeat_max_failures)
 
@@ -795,6 +796,20 @@ class KVManager:
                 check_compatible(inst, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
                 self._instances[addr] = inst
         return inst
+
+    def target_plan(self, addr: str, instance: PrefillInstance, room: int) -> TargetPlan:
+        """The rank mapping of a room: the same for every room of one DP group, so it is cached."""
+        key = (addr, room % instance.dp_size)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is instance:
+            return cached[1]
+        a = self.kv_args
+        plan = plan_targets(instance, room=room, tp_size=a.tp_size, engine_rank=a.engine_rank, pp_size=a.pp_size,
+                            pp_rank=a.pp_rank, is_mla=a.is_mla, total_kv_heads=a.total_kv_head_num)
+        if len(self._plans) > 1024:
+            self._plans.clear()
+        self._plans[key] = (instance, plan)
+        return plan
 
     def _stale(self, inst: PrefillInstance) -> bool:
         """A registered rank of the cached topology has been quiet for over 1.5 heartbeats: it may

@@ -20,7 +20,7 @@ from ..errors import (
 from ..kernels import validate_pages
 from ..proto.messages import Abort, Status, TransferInfo
 from ..proto.states import Event, KVPoll, RoomState, Side
-from ..proto.topology import TargetPlan, plan_targets
+from ..proto.topology import TargetPlan
 
 if TYPE_CHECKING:
     from .manager import KVManager
@@ -103,9 +103,7 @@ class KVReceiver:
         self._timer = self._loop.call_later(self._mgr.config.waiting_timeout_s, self._on_waiting_timeout)
         try:
             instance = await self._mgr.prefill_instance(self.bootstrap_addr)
-            plan = plan_targets(instance, room=self.room, tp_size=a.tp_size, engine_rank=a.engine_rank,
-                                pp_size=a.pp_size, pp_rank=a.pp_rank, is_mla=a.is_mla,
-                                total_kv_heads=a.total_kv_head_num)
+            plan = self._mgr.target_plan(self.bootstrap_addr, instance, self.room)
             self._plan = plan
             for rank in plan.ranks:
                 await self._mgr.ensure_registered(rank, self.bootstrap_addr)
@@ -133,6 +131,8 @@ class KVReceiver:
         Failed is returned once the room's pages are fenced. Cancelling the waiting task
         does not abort the room; ``abort()`` does.
         """
+        if timeout is None:
+            return await asyncio.shield(self._done)
         return await asyncio.wait_for(asyncio.shield(self._done), timeout)
 
     async def abort(self, reason: str = "aborted by decode") -> KVPoll:

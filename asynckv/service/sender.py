@@ -169,6 +169,8 @@ class KVSender:
 
         Cancelling the waiting task does not abort the room.
         """
+        if timeout is None:
+            return await asyncio.shield(self._done)
         return await asyncio.wait_for(asyncio.shield(self._done), timeout)
 
     def abort(self, reason: str = "aborted by prefill") -> None:

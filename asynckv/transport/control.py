@@ -156,10 +156,19 @@ class ControlChannel:
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
             self._push[endpoint] = sock
+        frames = encode(msg)
+        if self._auth is not None:
+            frames = self._auth.seal(frames, time.time_ns())
         try:
-            frames = encode(msg)
-            if self._auth is not None:
-                frames = self._auth.seal(frames, time.time_ns())
+            # Fast path: ZMQ queues the message at once unless the peer's queue is full; only
+            # then wait (bounded) for room. Saves a task and a timer per message.
+            zmq.Socket.send_multipart(sock, frames, flags=zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:
+            raise PeerUnreachable(f"cannot send {type(msg).__name__} to {endpoint}: {exc!r}") from exc
+        try:
             await asyncio.wait_for(sock.send_multipart(frames, copy=False), self._send_timeout_s)
         except (TimeoutError, zmq.ZMQError) as exc:
             raise PeerUnreachable(f"cannot send {type(msg).__name__} to {endpoint}: {exc!r}") from exc
