@@ -42,9 +42,10 @@ async def test_pages_arrive(pair):
 @pytest.mark.asyncio
 async def test_a_failing_transfer_is_reported_not_hung(pair):
     p, d, _, _ = pair
+    assert await (await hand_off(p, d, 7, [0], [0])).wait() == KVPoll.Success  # peers connected
     injector = FaultInjector()
     inject(p, injector)
-    injector.fail_next(1)
+    injector.fail_next(1)  # the next data-plane post fails
     receiver = await hand_off(p, d, 8, [0], [0])
     assert await receiver.wait() == KVPoll.Failed
     assert "injected failure" in receiver.failure_reason

@@ -25,6 +25,7 @@ from ..errors import BootstrapTimeout, PeerUnreachable, RemoteProtocolError
 from ..proto.auth import AUTH_HEADER, Authenticator, AuthError
 from ..proto.bootstrap import PayloadError, PrefillRank, RankTable
 from ..proto.topology import PrefillInstance
+from .metrics import add_ops_routes
 
 __all__ = ["BootstrapClient", "BootstrapServer", "OpsServer", "split_addr"]
 
@@ -69,23 +70,8 @@ class BootstrapServer:
         app.router.add_route("GET", "/route", self._get_route)
         app.router.add_route("DELETE", "/route", self._delete_route)
         app.router.add_route("GET", "/health", self._health)
-        from .metrics import add_ops_routes
-
         add_ops_routes(app)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        server = site._server  # aiohttp offers no public accessor for the bound port
-        if server is not None and self.port == 0:
-            sockets = getattr(server, "sockets", None) or []
-            if sockets:
-                self.port = int(sockets[0].getsockname()[1])
-        self._runner = runner
+        self._runner, self.port = await _serve(app, self.host, self.port)
         log.info("bootstrap server listening on %s", self.addr)
         return self
 
@@ -177,24 +163,10 @@ class OpsServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> OpsServer:
-        from .metrics import add_ops_routes
-
         app = web.Application()
         app.router.add_route("GET", "/health", self._health)
         add_ops_routes(app)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        server = site._server  # aiohttp offers no public accessor for the bound port
-        sockets = getattr(server, "sockets", None) or []
-        if sockets and self.port == 0:
-            self.port = int(sockets[0].getsockname()[1])
-        self._runner = runner
+        self._runner, self.port = await _serve(app, self.host, self.port)
         return self
 
     @property
@@ -209,6 +181,18 @@ class OpsServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+async def _serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start ``app`` on host:port (0: any free port); returns the runner and the bound port."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, int(runner.addresses[0][1])
 
 
 class _Unauthorized(Exception):

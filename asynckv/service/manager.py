@@ -601,15 +601,19 @@ class KVManager:
         if sender is not None:
             sender._on_destination(info)
             return
-        early = self._early.get(info.room)
-        if early is None:
-            self._expire_early()
-            if len(self._early) >= self.config.max_early_infos:
-                self._drop("early_full", f"room {info.room}: too many destinations without a sender")
-                return
-            early = _EarlyRoom(self.loop.time() + self.config.early_info_ttl_s)
-            self._early[info.room] = early
-        early.infos[info.decode_id] = info
+        early = self._early.get(info.room) or self._new_early(info.room)
+        if early is not None:
+            early.infos[info.decode_id] = info
+
+    def _new_early(self, room: int) -> _EarlyRoom | None:
+        """A bounded, expiring record for a room whose sender does not exist yet."""
+        self._expire_early()
+        if len(self._early) >= self.config.max_early_infos:
+            self._drop("early_full", f"room {room}: too many rooms without a sender")
+            return None
+        early = _EarlyRoom(self.loop.time() + self.config.early_info_ttl_s)
+        self._early[room] = early
+        return early
 
     def _on_abort(self, msg: Abort) -> None:
         """Fail the room; decode learns that nothing more will be written from a Status
@@ -618,8 +622,8 @@ class KVManager:
         if sender is not None:
             sender._on_abort(msg.decode_id, msg.reason)
             return
-        early = self._early.get(msg.room)
-        if early is not None:
+        early = self._early.get(msg.room) or self._new_early(msg.room)
+        if early is not None:  # a sender created later fails at once instead of waiting for its timeout
             early.aborted = (msg.decode_id, msg.reason)
         peer = self._peers.get(msg.decode_id)
         if peer is not None:  # nothing of this room is in flight here

@@ -206,12 +206,14 @@ class KVReceiver:
         self._failing = exc
         log.info("room %d failing: %s", self.room, exc)
         self._cancel_timer()
-        unconfirmed = self._sent_to - self._quiet
-        if unconfirmed and self._plan is not None and not self._mgr._closed:
+        if self._plan is not None and not self._mgr._closed:
+            # Every target hears of it, dummies and ranks that never got the destination too:
+            # their senders (created by prefill's scheduler) fail now instead of at their timeout.
             msg = Abort(self.room, self._mgr.name, str(exc) or type(exc).__name__)
-            for rank in self._plan.ranks:  # dummies too: they drop the room's state
+            for rank in self._plan.ranks:
                 self._mgr._spawn(self._send_abort(rank.endpoint, msg), f"asynckv-abort-{self.room}")
-            self._timer = self._loop.call_later(self._mgr.config.fence_timeout_s, self._on_fence_timeout)
+            if self._sent_to - self._quiet:
+                self._timer = self._loop.call_later(self._mgr.config.fence_timeout_s, self._on_fence_timeout)
         self._maybe_fenced()
 
     def _maybe_fenced(self) -> None:

@@ -161,3 +161,18 @@ async def test_out_of_range_destination_from_a_peer_fails_the_room_before_any_wr
         assert "decode destination pages: index 64 outside the registered range [0, 64)" in (
             sender.failure_reason or "")
         assert not pair.dpool.kv[:, 3].any()
+
+
+async def test_an_abort_before_the_sender_exists_fails_it_at_once() -> None:
+    async with make_pair(handshake_timeout_s=5) as pair:
+        from asynckv.testing import FaultInjector, inject
+
+        injector = FaultInjector()
+        inject(pair.prefill, injector)
+        injector.fail_next(1)  # the warm-up write of the first contact fails: registration is refused
+        receiver = pair.decode.receiver(pair.addr, 31)
+        assert await receiver.init([0]) == KVPoll.Failed
+        assert "warm-up: injected failure" in (receiver.failure_reason or "")
+        sender = pair.prefill.sender(31)
+        assert await sender.wait(2) == KVPoll.Failed
+        assert (sender.failure_reason or "").startswith("aborted by decode")
