@@ -159,7 +159,7 @@ class KVManager:
         self._peer_setup: dict[str, asyncio.Future[DecodePeer]] = {}
         self._early: collections.OrderedDict[int, _EarlyRoom] = collections.OrderedDict()
         self._inflight_bytes = 0
-        self._inflight_changed = asyncio.Condition()
+        self._inflight_waiters: list[asyncio.Future[None]] = []
         # decode
         self._receivers: dict[int, KVReceiver] = {}
         self._instances: dict[str, PrefillInstance] = {}
@@ -241,8 +241,7 @@ class KVManager:
         await self._say_goodbye()
         for task in list(self._tasks):
             task.cancel()
-        async with self._inflight_changed:
-            self._inflight_changed.notify_all()
+        self._wake_inflight_waiters()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._my_rank is not None and self.bootstrap_addr is not None:
@@ -336,7 +335,7 @@ class KVManager:
                     f"(heartbeat every {self.config.heartbeat_interval_s:g}s, "
                     f"{self.config.heartbeat_max_failures} misses allowed)"))
             for _peer_id, endpoint, seq in self._liveness.pings_due(now):
-                self._spawn(self._reply(endpoint, Ping(self.name, self.endpoint, seq)), "asynckv-ping")
+                self.send_soon(endpoint, Ping(self.name, self.endpoint, seq))
 
     def _on_pong(self, msg: Pong) -> None:
         now = time.monotonic()
@@ -363,7 +362,7 @@ class KVManager:
         metrics.PEERS_DEAD.labels(self.mode.value, self.name[:8], type(exc).__name__).inc()
         metrics.forget_peer(self, state.peer_id)
         if state.endpoint and not self._closed and not farewell:  # if it is alive after all, it must forget us too
-            self._spawn(self._reply(state.endpoint, Bye(self.name, f"declared dead: {exc}")), "asynckv-bye")
+            self.send_soon(state.endpoint, Bye(self.name, f"declared dead: {exc}"))
         if self.mode is Mode.PREFILL:
             self._engine.cancel_peer(state.peer_id, exc)
             peer = self._peers.pop(state.peer_id, None)
@@ -459,7 +458,7 @@ class KVManager:
         self.stats[f"msg_{type(msg).__name__}"] += 1
         if isinstance(msg, Ping):
             self._liveness.heard(msg.sender_id, time.monotonic())
-            self._spawn(self._reply(msg.endpoint, Pong(self.name, msg.seq)), "asynckv-pong")
+            self.send_soon(msg.endpoint, Pong(self.name, msg.seq))
             return
         if isinstance(msg, Pong):
             self._on_pong(msg)
@@ -495,8 +494,14 @@ class KVManager:
         endpoint, decode_id = body.get("endpoint"), body.get("decode_id")
         if self.mode is Mode.PREFILL and exc.msg_type == Register.TYPE and isinstance(endpoint, str) \
                 and isinstance(decode_id, str) and endpoint.startswith("tcp://"):
-            self._spawn(self._reply(endpoint, RegisterResult(self.name, decode_id, False, str(exc))),
-                        "asynckv-refuse-version")
+            self.send_soon(endpoint, RegisterResult(self.name, decode_id, False, str(exc)))
+
+    def send_soon(self, endpoint: str, msg: Message) -> None:
+        """Send without waiting: queued at once in the common case, else by a task (bounded)."""
+        if self._control is None or self._closed:
+            return
+        if not self._control.try_send(endpoint, msg):
+            self._spawn(self._reply(endpoint, msg), f"asynckv-send-{type(msg).__name__}")
 
     async def _reply(self, endpoint: str, msg: Message) -> None:
         if self._control is None:
@@ -510,17 +515,14 @@ class KVManager:
         if reg.prefill_id != self.name:
             reason = (f"prefill restarted: decode expected incarnation {reg.prefill_id[:8]}, "
                       f"this is {self.name[:8]}")
-            self._spawn(self._reply(reg.endpoint, RegisterResult(reg.prefill_id, reg.decode_id, False, reason)),
-                        "asynckv-refuse-stale")
+            self.send_soon(reg.endpoint, RegisterResult(reg.prefill_id, reg.decode_id, False, reason))
             return
         if reg.decode_id not in self._peers and len(self._peers) + len(self._peer_setup) >= self.config.max_peers:
             reason = f"too many decode peers ({self.config.max_peers})"
-            self._spawn(self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, False, reason)),
-                        "asynckv-refuse-full")
+            self.send_soon(reg.endpoint, RegisterResult(self.name, reg.decode_id, False, reason))
             return
         if reg.decode_id in self._peers:
-            self._spawn(self._reply(reg.endpoint, RegisterResult(self.name, reg.decode_id, True, "")),
-                        "asynckv-register-again")
+            self.send_soon(reg.endpoint, RegisterResult(self.name, reg.decode_id, True, ""))
             return
         if reg.decode_id in self._peer_setup:
             return  # the setup in progress will answer
@@ -627,8 +629,7 @@ class KVManager:
             early.aborted = (msg.decode_id, msg.reason)
         peer = self._peers.get(msg.decode_id)
         if peer is not None:  # nothing of this room is in flight here
-            self._spawn(self.send_status(peer.endpoint, msg.room, False, f"aborted by decode: {msg.reason}"),
-                        "asynckv-abort-ack")
+            self.send_status(peer.endpoint, msg.room, False, f"aborted by decode: {msg.reason}")
 
     def _expire_early(self) -> None:
         now = self.loop.time()
@@ -717,10 +718,11 @@ class KVManager:
                    kind: str = "kv", ndescs: int = 1) -> asyncio.Future[Any]:
         """Hand handles to the engine once in-flight bytes allow; the returned future resolves
         when all landed. Posts only while the peer's write lease is valid."""
-        async with self._inflight_changed:
-            await self._inflight_changed.wait_for(
-                lambda: self._closed or self._inflight_bytes == 0
-                or self._inflight_bytes + nbytes <= self.config.max_inflight_bytes)
+        while not (self._closed or self._inflight_bytes == 0
+                   or self._inflight_bytes + nbytes <= self.config.max_inflight_bytes):
+            waiter: asyncio.Future[None] = self.loop.create_future()
+            self._inflight_waiters.append(waiter)
+            await waiter
         if self._closed:
             raise ClosedError("manager closed")
         self._inflight_bytes += nbytes
@@ -737,7 +739,8 @@ class KVManager:
 
     def _post_settled(self, fut: asyncio.Future[Any], peer: DecodePeer, nbytes: int, kind: str,
                       started: float) -> None:
-        self._spawn(self._release_inflight(nbytes), "asynckv-inflight")
+        self._inflight_bytes -= nbytes
+        self._wake_inflight_waiters()
         exc = None if fut.cancelled() else fut.exception()
         labels = (self.mode.value, self.name[:8], peer.name[:8])
         if exc is None:
@@ -749,10 +752,11 @@ class KVManager:
         if isinstance(exc, PeerUnreachable) and peer.name in self._peers:
             self.declare_dead(peer.name, exc)  # NIXL saw the disconnect: no need to wait for heartbeats
 
-    async def _release_inflight(self, nbytes: int) -> None:
-        self._inflight_bytes -= nbytes
-        async with self._inflight_changed:
-            self._inflight_changed.notify_all()
+    def _wake_inflight_waiters(self) -> None:
+        waiters, self._inflight_waiters = self._inflight_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def post_aux(self, peer: DecodePeer, src_row: int, dst_row: int, what: str) -> asyncio.Future[Any]:
         src, dst = aux_descriptors(self._aux_ptrs, peer.aux_ptrs, self._aux_items, src_row, dst_row)
@@ -766,8 +770,8 @@ class KVManager:
     def _deadline_for(self, nbytes: int) -> float:
         return self.config.xfer_deadline_base_s + nbytes / self.config.xfer_deadline_min_bytes_per_s
 
-    async def send_status(self, endpoint: str, room: int, ok: bool, reason: str) -> None:
-        await self._reply(endpoint, Status(room, self.name, self.sender_rank, ok, reason))
+    def send_status(self, endpoint: str, room: int, ok: bool, reason: str) -> None:
+        self.send_soon(endpoint, Status(room, self.name, self.sender_rank, ok, reason))
 
     # -- decode ---------------------------------------------------------------------
 

@@ -211,7 +211,7 @@ class KVReceiver:
             # their senders (created by prefill's scheduler) fail now instead of at their timeout.
             msg = Abort(self.room, self._mgr.name, str(exc) or type(exc).__name__)
             for rank in self._plan.ranks:
-                self._mgr._spawn(self._send_abort(rank.endpoint, msg), f"asynckv-abort-{self.room}")
+                self._mgr.send_soon(rank.endpoint, msg)
             if self._sent_to - self._quiet:
                 self._timer = self._loop.call_later(self._mgr.config.fence_timeout_s, self._on_fence_timeout)
         self._maybe_fenced()
@@ -240,12 +240,6 @@ class KVReceiver:
                 f"{self._mgr.config.fence_timeout_s:.1f}s"))
         self._quiet |= self._sent_to
         self._maybe_fenced()
-
-    async def _send_abort(self, endpoint: str, msg: Abort) -> None:
-        try:
-            await self._mgr.send_control(endpoint, msg)
-        except AsyncKVError as exc:
-            log.warning("room %d: could not send abort to %s: %s", self.room, endpoint, exc)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

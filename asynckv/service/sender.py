@@ -238,8 +238,8 @@ class KVSender:
         if self._state.done and not self._posts:  # nothing in flight: confirm to that decode at once
             peer = self._mgr.peer(decode_id)
             if peer is not None:
-                self._mgr._spawn(self._mgr.send_status(peer.endpoint, self.room, False,
-                                                       f"aborted by decode: {reason}"), "asynckv-abort-ack")
+                self._mgr.send_status(peer.endpoint, self.room, False,
+                                                       f"aborted by decode: {reason}")
             return
         self._fail(Aborted(f"aborted by decode: {reason}"))
 
@@ -320,8 +320,7 @@ class KVSender:
                  if (not ok or not info.is_dummy) and name not in self._dead)
         for endpoint in {peer.endpoint for peer in peers if peer is not None}:
             if not self._mgr._closed:
-                self._mgr._spawn(self._mgr.send_status(endpoint, self.room, ok, reason),
-                                 f"asynckv-status-{self.room}")
+                self._mgr.send_status(endpoint, self.room, ok, reason)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

@@ -143,10 +143,23 @@ class ControlChannel:
             self.dropped["handler"] += 1
             log.exception("control: handler failed for %s", type(msg).__name__)
 
-    async def send(self, endpoint: str, msg: Message) -> None:
-        """Send ``msg`` to a peer's endpoint; raises PeerUnreachable if ZMQ cannot take it in time."""
+    def try_send(self, endpoint: str, msg: Message) -> bool:
+        """Queue ``msg`` without waiting; False if ZMQ's queue to that peer is full (or closed)."""
         if self._closed:
-            raise ClosedError("control channel is closed")
+            return False
+        try:
+            zmq.Socket.send_multipart(self._socket(endpoint), self._frames(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def _frames(self, msg: Message) -> list[bytes]:
+        frames = encode(msg)
+        if self._auth is not None:
+            frames = self._auth.seal(frames, time.time_ns())
+        return frames
+
+    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self._push.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -156,9 +169,14 @@ class ControlChannel:
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
             self._push[endpoint] = sock
-        frames = encode(msg)
-        if self._auth is not None:
-            frames = self._auth.seal(frames, time.time_ns())
+        return sock
+
+    async def send(self, endpoint: str, msg: Message) -> None:
+        """Send ``msg`` to a peer's endpoint; raises PeerUnreachable if ZMQ cannot take it in time."""
+        if self._closed:
+            raise ClosedError("control channel is closed")
+        sock = self._socket(endpoint)
+        frames = self._frames(msg)
         try:
             # Fast path: ZMQ queues the message at once unless the peer's queue is full; only
             # then wait (bounded) for room. Saves a task and a timer per message.

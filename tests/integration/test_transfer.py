@@ -151,3 +151,28 @@ async def test_closing_a_manager_fails_its_unfinished_rooms() -> None:
         await pair.decode.close()
         assert await receiver.wait(1) == KVPoll.Failed
         pair.assert_no_room_state()
+
+
+async def test_in_flight_bytes_are_bounded_and_send_waits() -> None:
+    from asynckv.testing import FaultInjector, inject
+
+    page = 4 * 256
+    async with make_pair(entries=4, item=256, max_inflight_bytes=2 * page) as pair:
+        assert await transfer_room(pair, 1, [0], [0]) == (KVPoll.Success, KVPoll.Success)  # first contact
+        injector = FaultInjector()
+        inject(pair.prefill, injector)
+        injector.delay_posts(0.05)  # each post holds its bytes for 50 ms
+        seen: list[int] = []
+
+        async def sample() -> None:
+            while True:
+                seen.append(pair.prefill.room_counts()["inflight_bytes"])
+                await asyncio.sleep(0.005)
+
+        sampler = asyncio.create_task(sample())
+        results = await asyncio.gather(*(transfer_room(pair, 10 + i, [2 * i, 2 * i + 1], [2 * i, 2 * i + 1])
+                                         for i in range(4)))
+        sampler.cancel()
+        assert results == [(KVPoll.Success, KVPoll.Success)] * 4
+        assert max(seen) <= 2 * page and max(seen) > 0
+        assert pair.prefill.room_counts()["inflight_bytes"] == 0
