@@ -238,8 +238,7 @@ class KVSender:
         if self._state.done and not self._posts:  # nothing in flight: confirm to that decode at once
             peer = self._mgr.peer(decode_id)
             if peer is not None:
-                self._mgr.send_status(peer.endpoint, self.room, False,
-                                                       f"aborted by decode: {reason}")
+                self._mgr.send_status(peer.endpoint, self.room, False, f"aborted by decode: {reason}")
             return
         self._fail(Aborted(f"aborted by decode: {reason}"))
 
