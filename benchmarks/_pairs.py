@@ -104,3 +104,48 @@ class RawNixl:
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
+
+
+@contextlib.asynccontextmanager
+async def decode_against_prefill_process(spec: Any) -> AsyncIterator[tuple[KVManager, Any, Any]]:
+    """A decode manager here and a demo prefill worker in a child process serving ``spec``'s
+    rooms; yields (decode manager, spec with its bootstrap address, decode pool) and checks
+    that the prefill process exited cleanly."""
+    import dataclasses
+
+    from asynckv import BootstrapServer
+    from asynckv.testing import PeerProcess
+
+    pool = spec.pool()
+    async with BootstrapServer("127.0.0.1", 0) as server:
+        spec = dataclasses.replace(spec, bootstrap=server.addr)
+        async with PeerProcess.start_ctx("prefill", spec) as prefill:
+            async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config()) as d:
+                await d.prefill_instance(server.addr)
+                yield d, spec, pool
+            if await prefill.wait(60) != 0:
+                raise RuntimeError(await prefill.output())
+
+
+async def receive_plan(d: KVManager, spec: Any, dst_for: Any) -> tuple[list[float], float]:
+    """Receive every room of ``spec`` with ``spec.inflight`` in flight; slot k's pages are
+    ``dst_for(k)``. Returns each room's init-to-Success latency and the total seconds."""
+    gate = asyncio.Semaphore(spec.inflight)
+    free = list(range(spec.inflight))
+    latencies: list[float] = []
+
+    async def one(room_id: int) -> None:
+        async with gate:
+            k = free.pop()
+            receiver = d.receiver(spec.bootstrap, room_id)
+            t = time.perf_counter()
+            await receiver.init(dst_for(k), k)
+            if await receiver.wait() != KVPoll.Success:
+                raise RuntimeError(receiver.failure_reason)
+            latencies.append(time.perf_counter() - t)
+            receiver.clear()
+            free.append(k)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(r.room) for r in spec.plan()))
+    return latencies, time.perf_counter() - t0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import pathlib
 import subprocess
@@ -21,11 +20,10 @@ import time
 
 import numpy as np
 
-from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
 from asynckv.demo import DemoSpec
-from asynckv.testing import PeerProcess
 
 from ._common import write_result
+from ._pairs import decode_against_prefill_process, receive_plan
 
 
 async def _run(rooms: int, inflight: int) -> dict[str, float]:
@@ -40,36 +38,12 @@ async def _run(rooms: int, inflight: int) -> dict[str, float]:
 
     spec = DemoSpec(layers=1, kv_heads=8, head_dim=128, page_size=16, requests=rooms, min_pages=4, max_pages=4,
                     chunk_pages=4, inflight=inflight, fill=False, seed=7)
-    pool = spec.pool()
-    async with BootstrapServer("127.0.0.1", 0) as server:
-        spec = dataclasses.replace(spec, bootstrap=server.addr)
-        async with PeerProcess.start_ctx("prefill", spec) as prefill, \
-                KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config()) as d:
-            await d.prefill_instance(server.addr)
-            gate = asyncio.Semaphore(inflight)
-            free = list(range(inflight))
-            latencies: list[float] = []
-
-            async def one(room_id: int) -> None:
-                async with gate:
-                    k = free.pop()
-                    receiver = d.receiver(server.addr, room_id)
-                    t = time.perf_counter()
-                    await receiver.init(np.arange(4) + 4 * k, k)
-                    if await receiver.wait() != KVPoll.Success:
-                        raise RuntimeError(receiver.failure_reason)
-                    latencies.append(time.perf_counter() - t)
-                    receiver.clear()
-                    free.append(k)
-
-            tick = asyncio.create_task(ticker())
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(r.room) for r in spec.plan()))
-            elapsed = time.perf_counter() - t0
-            stop = True
-            await tick
-            if await prefill.wait(60) != 0:
-                raise RuntimeError(await prefill.output())
+    async with decode_against_prefill_process(spec) as (d, spec, pool):
+        tick = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        latencies, elapsed = await receive_plan(d, spec, lambda k: np.arange(4) + 4 * k)
+        stop = True
+        await tick
     lat = np.asarray(latencies) * 1e3
     all_lags = np.asarray([lag for _, lag in lags]) * 1e3
     steady = np.asarray([lag for t, lag in lags if t - t0 > elapsed * 0.3]) * 1e3

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import pathlib
 import resource
 import sys
-import time
 
 import numpy as np
 
-from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
 from asynckv.demo import DemoSpec
-from asynckv.testing import PeerProcess
 
 from ._common import write_result
+from ._pairs import decode_against_prefill_process, receive_plan
 
 SEED = {  # seed-performance.md: GB/s, req/s, decode p50, p99 (ms), CPU s decode / prefill
     "64 x 32 pages, contiguous": (2.24, 33, 228, 385, 1.55, 2.16),
@@ -39,36 +36,12 @@ CASES = [("64 x 32 pages, contiguous", 64, 32, 8, False), ("64 x 32 pages, scatt
 async def run_case(requests: int, pages: int, inflight: int, scattered: bool, scale: int) -> dict[str, float]:
     spec = DemoSpec(requests=requests, min_pages=pages, max_pages=pages, chunk_pages=pages, inflight=inflight,
                     fill=False, seed=requests * 1000 + pages, layers=32 // scale)
-    pool = spec.pool()
-    async with BootstrapServer("127.0.0.1", 0) as server:
-        spec = dataclasses.replace(spec, bootstrap=server.addr)
-        async with PeerProcess.start_ctx("prefill", spec) as prefill, \
-                KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config()) as d:
-            await d.prefill_instance(server.addr)
-            rng = np.random.default_rng(1)
-            gate = asyncio.Semaphore(inflight)
-            free = list(range(inflight))
-            latencies: list[float] = []
-
-            async def one(req_room: int) -> None:
-                async with gate:
-                    k = free.pop()
-                    dst = (rng.permutation(spec.pool_pages)[:pages] if scattered
-                           else np.arange(pages) + k * pages)
-                    receiver = d.receiver(server.addr, req_room)
-                    t = time.perf_counter()
-                    await receiver.init(dst, k)
-                    if await receiver.wait() != KVPoll.Success:
-                        raise RuntimeError(receiver.failure_reason)
-                    latencies.append(time.perf_counter() - t)
-                    receiver.clear()
-                    free.append(k)
-
-            c0, t0 = os.times(), time.perf_counter()
-            await asyncio.gather(*(one(r.room) for r in spec.plan()))
-            elapsed, c1 = time.perf_counter() - t0, os.times()
-            if await prefill.wait(60) != 0:
-                raise RuntimeError(await prefill.output())
+    async with decode_against_prefill_process(spec) as (d, spec, pool):
+        rng = np.random.default_rng(1)
+        c0 = os.times()
+        latencies, elapsed = await receive_plan(d, spec, lambda k: rng.permutation(spec.pool_pages)[:pages]
+                                                if scattered else np.arange(pages) + k * pages)
+        c1 = os.times()
     child = resource.getrusage(resource.RUSAGE_CHILDREN)
     lat = np.asarray(latencies) * 1e3
     nbytes = requests * pages * pool.page_bytes
