@@ -61,12 +61,6 @@ class Liveness:
     def remove(self, peer_id: str) -> PeerState | None:
         return self._peers.pop(peer_id, None)
 
-    def by_endpoint(self, endpoint: str) -> PeerState | None:
-        for state in self._peers.values():
-            if state.endpoint == endpoint:
-                return state
-        return None
-
     def pings_due(self, now: float) -> list[tuple[str, str, int]]:
         """(peer_id, endpoint, seq) of the pings to send now (call once per interval)."""
         out = []

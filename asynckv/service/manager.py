@@ -947,10 +947,12 @@ class KVManager:
         for recv in self._receivers.values():
             if recv.poll() not in (KVPoll.Success, KVPoll.Failed) and recv._plan is not None:
                 rooms.update(r.agent_id for r in recv._plan.ranks)
+        now = time.monotonic()
         for peer_id in [*self._peers, *self._rank_addr]:
             state = self._liveness.get(peer_id)
-            if state is not None:
-                out.append({"peer": peer_id, "endpoint": state.endpoint, "alive": True,
+            if state is not None:  # dead peers are already gone; "alive" means heard within 2 beats
+                alive = now - state.last_seen <= 2 * self.config.heartbeat_interval_s
+                out.append({"peer": peer_id, "endpoint": state.endpoint, "alive": alive,
                             "last_heard": state.last_seen, "rooms": rooms[peer_id]})
         return out
 

@@ -88,7 +88,8 @@ class _LiveCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         rooms = GaugeMetricFamily("asynckv_rooms", "Rooms by state", labels=["mode", "manager", "state"])
-        peer_up = GaugeMetricFamily("asynckv_peer_up", "1 while a peer answers heartbeats",
+        peer_up = GaugeMetricFamily("asynckv_peer_up", "1 while a peer was heard within two heartbeats; "
+                                    "0 while it is late (declared dead, it disappears)",
                                     labels=["mode", "manager", "peer", "endpoint"])
         heard = GaugeMetricFamily("asynckv_peer_last_heard_seconds", "Seconds since a peer was last heard from",
                                   labels=["mode", "manager", "peer"])
@@ -122,9 +123,8 @@ def peers_view() -> list[dict[str, Any]]:
     out = []
     for mgr in list(_MANAGERS):
         for peer in mgr.peers_snapshot():
-            out.append({"manager": mgr.name, "mode": mgr.mode.value, "peer": peer["peer"],
-                        "incarnation": peer["peer"], "endpoint": peer["endpoint"],
-                        "state": "alive" if peer["alive"] else "dead",
+            out.append({"manager": mgr.name, "mode": mgr.mode.value, "peer": peer["peer"],  # the incarnation
+                        "endpoint": peer["endpoint"], "state": "alive" if peer["alive"] else "late",
                         "last_heartbeat_s_ago": round(max(0.0, now - peer["last_heard"]), 3),
                         "inflight_rooms": peer["rooms"]})
     return out

@@ -152,8 +152,9 @@ async def cluster(lay: Layout) -> AsyncIterator[tuple[list[Rank], list[Rank], st
 
 
 async def run_room(lay: Layout, prefill: list[Rank], decode: list[Rank], addr: str, room: int, num_pages: int,
-                   rng: np.random.Generator, prefix_pages: int = 0, chunk: int = 3) -> dict[int, np.ndarray]:
-    """Move one request; returns each decode rank's destination pages (after the prefix)."""
+                   rng: np.random.Generator, prefix_pages: int = 0,
+                   chunk: int = 3) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Move one request; returns each decode rank's destination pages (after the prefix) and state slots."""
     logical = np.arange(prefix_pages, num_pages)
     n = len(logical)
     src_pages = rng.choice(lay.pages, n, replace=False)
@@ -191,13 +192,11 @@ async def run_room(lay: Layout, prefill: list[Rank], decode: list[Rank], addr: s
     for receiver, _ in receivers:
         assert await receiver.wait(30) == KVPoll.Success, receiver.failure_reason
         receiver.clear()
-    for i, r in enumerate(decode):
-        r.state_dst = receivers[i][1]  # type: ignore[attr-defined]
-    return dst
+    return dst, {i: state_dst for i, (_, state_dst) in enumerate(receivers)}
 
 
 def check_decode(lay: Layout, prefill: list[Rank], decode: list[Rank], room: int, num_pages: int,
-                 dst: dict[int, np.ndarray], prefix_pages: int = 0) -> None:
+                 dst: dict[int, np.ndarray], state_dsts: dict[int, np.ndarray], prefix_pages: int = 0) -> None:
     logical = np.arange(prefix_pages, num_pages)
     for i, r in enumerate(decode):
         for arr, (kind, layer) in zip(r.kv, r.entry_keys, strict=True):
@@ -208,9 +207,8 @@ def check_decode(lay: Layout, prefill: list[Rank], decode: list[Rank], room: int
             assert not arr[others].any(), f"decode rank {i} layer {layer}: a page outside the request was written"
         writer = writer_of(lay, r)
         assert r.aux[0][0] == (room + 31 * writer[0] + 7 * writer[1]) % 251, "aux not from the one chosen sender"
-        state_dst = getattr(r, "state_dst", None)
+        state_dst = state_dsts[i]
         for arr, key in zip(r.state, r.state_keys, strict=True):
-            assert state_dst is not None
             want = expected_state(lay, r, key, room, np.arange(len(state_dst)), lay.tp_decode, r.tp)
             assert np.array_equal(arr[state_dst], want.astype(arr.dtype)), f"decode rank {i} state {key} wrong"
 

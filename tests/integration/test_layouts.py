@@ -48,8 +48,9 @@ async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2) -> No
             for r in decode:  # each room checks its own pages only
                 for arr in r.kv + r.state:
                     arr[:] = 0
-            dst = await run_room(lay, prefill, decode, addr, room * 1000 + 7, 7, rng, prefix_pages=prefix_pages)
-            check_decode(lay, prefill, decode, room * 1000 + 7, 7, dst, prefix_pages=prefix_pages)
+            dst, state_dst = await run_room(lay, prefill, decode, addr, room * 1000 + 7, 7, rng,
+                                            prefix_pages=prefix_pages)
+            check_decode(lay, prefill, decode, room * 1000 + 7, 7, dst, state_dst, prefix_pages=prefix_pages)
         for r in prefill + decode:
             assert r.mgr is not None
             assert all(v == 0 for v in r.mgr.room_counts().values())

@@ -39,10 +39,8 @@ def test_the_lease_always_ends_before_the_peer_can_be_declared_dead() -> None:
         assert 0 < live.lease_s < live.dead_after_s
 
 
-def test_ping_from_the_peer_counts_as_alive_and_endpoint_lookup() -> None:
+def test_ping_from_the_peer_counts_as_alive() -> None:
     live = Liveness(1.0, 2)
     live.add("p", "tcp://x:1", now=0.0)
     live.heard("p", 1.9)
     assert live.expired(3.0) == []
-    state = live.by_endpoint("tcp://x:1")
-    assert state is not None and state.peer_id == "p"
