@@ -549,8 +549,9 @@ class KVManager:
             rows = None
             if self._prepped_for(peer):
                 dst = plan.dst_entries  # paired with local entries 0..n-1 in order
-                rows = self._dlist_rows(peer.kv_ptrs[dst], peer.kv_item_lens[dst], self._kv_items,
-                                        peer.num_pages, peer.dev)
+                # One row per (entry, page): millions for a large pool, so not on the event loop.
+                rows = await asyncio.to_thread(self._dlist_rows, peer.kv_ptrs[dst], peer.kv_item_lens[dst],
+                                               self._kv_items, peer.num_pages, peer.dev)
             peer.remote_dlist = await self._engine.call(self._connect_peer, reg, rows)
             await self._warm_up(peer)
         except Exception as exc:  # any failure refuses this peer; it never kills the manager
