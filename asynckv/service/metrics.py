@@ -5,11 +5,13 @@ peer is first contacted); gauges (rooms by state, peers and their heartbeats, in
 bytes, dropped control messages) are read from the managers' own tables at scrape time,
 so they cost nothing between scrapes. Labels: ``mode`` (prefill/decode), ``manager``
 (the first 8 characters of its agent name), ``peer`` (the peer's agent name prefix) and,
-where it matters, ``kind``, ``result`` and ``reason``. A dead peer's series are removed.
+where it matters, ``kind``, ``result`` and ``reason``. Series of gone peers are kept for the
+64 most recent ones and removed after that.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 import weakref
 from collections.abc import Iterator
@@ -67,12 +69,20 @@ def forget_manager(mgr: KVManager) -> None:
         _remove_matching(metric, labels)
 
 
+RETIRED_PEERS_KEPT = 64
+_retired: collections.deque[dict[str, str]] = collections.deque()
+
+
 def forget_peer(mgr: KVManager, peer: str) -> None:
-    """Drop a dead peer's series so restarts do not grow the label set forever."""
-    labels = {"mode": mgr.mode.value, "manager": mgr.name[:8], "peer": peer[:8]}
-    for metric in (TRANSFER_BYTES, TRANSFERS, TRANSFER_SECONDS, DESCRIPTORS, TRANSFER_FAILURES,
-                   FIRST_CONTACT_SECONDS):
-        _remove_matching(metric, labels)
+    """Retire a gone peer's series: the last ``RETIRED_PEERS_KEPT`` stay scrapable (a scrape
+    just after a peer left still sees its totals), older ones are removed so restarts do not
+    grow the label set forever."""
+    _retired.append({"mode": mgr.mode.value, "manager": mgr.name[:8], "peer": peer[:8]})
+    while len(_retired) > RETIRED_PEERS_KEPT:
+        labels = _retired.popleft()
+        for metric in (TRANSFER_BYTES, TRANSFERS, TRANSFER_SECONDS, DESCRIPTORS, TRANSFER_FAILURES,
+                       FIRST_CONTACT_SECONDS):
+            _remove_matching(metric, labels)
 
 
 def _remove_matching(metric: Any, labels: dict[str, str]) -> None:

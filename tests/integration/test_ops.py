@@ -79,3 +79,17 @@ async def test_health_fails_when_the_reader_dies() -> None:
         assert pair.decode.ops_server is not None
         async with http.get(f"http://{pair.decode.ops_server.addr}/health") as resp:
             assert resp.status == 200
+
+
+def test_gone_peers_series_are_kept_for_recent_peers_then_removed() -> None:
+    import types
+
+    from asynckv.service import metrics
+
+    mgr = types.SimpleNamespace(mode=types.SimpleNamespace(value="prefill"), name="feedbeef-test")
+    peers = [f"p{i:07d}" for i in range(metrics.RETIRED_PEERS_KEPT + 10)]
+    for peer in peers:
+        metrics.TRANSFER_BYTES.labels("prefill", "feedbeef", peer, "kv").inc(1)
+        metrics.forget_peer(mgr, peer)  # type: ignore[arg-type]
+    kept = {values[2] for values in metrics.TRANSFER_BYTES._metrics if values[1] == "feedbeef"}
+    assert kept == set(peers[10:])
