@@ -1,4 +1,4 @@
-"""Native control protocol v1: message dataclasses and their ZMQ multipart codec.
+"""Native control protocol v2: message dataclasses and their ZMQ multipart codec.
 
 Every message is a list of frames::
 
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 MAGIC = b"AKVP"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_ROOM = 2**63 - 1
 MAX_FRAMES = 8
 _HEADER = struct.Struct("<4sHH")
@@ -77,8 +77,8 @@ class Register(Message):
 
     TYPE: ClassVar[int] = 1
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("decode_id", "str"), ("prefill_id", "str"), ("endpoint", "str"), ("engine_rank", "uint"),
-        ("tp_size", "uint"),
+        ("decode_id", "str"), ("prefill_id", "str"), ("session", "uint"), ("lease_ms", "uint"),
+        ("endpoint", "str"), ("engine_rank", "uint"), ("tp_size", "uint"),
         ("page_size", "uint"), ("kv_dtype", "str"), ("mem_kind", "str"), ("is_mla", "bool"),
         ("gpu_id", "uint"), ("kv_ptrs", "ints"), ("kv_lens", "ints"), ("kv_item_lens", "ints"),
         ("kv_layer_ids", "ints"), ("aux_ptrs", "ints"), ("aux_lens", "ints"),
@@ -92,6 +92,10 @@ class Register(Message):
     """Decode NIXL agent name (unique per process lifetime)."""
     prefill_id: str
     """The prefill incarnation decode expects; a restarted prefill refuses, naming both."""
+    session: int
+    """Which registration of this (decode, prefill) pair this is; a new one voids the old one's rooms."""
+    lease_ms: int
+    """How long after each grant (the RegisterResult, then every Pong) prefill may write into decode."""
     endpoint: str
     """Decode control endpoint, ``tcp://host:port``, for replies and status."""
     engine_rank: int
@@ -134,9 +138,10 @@ class RegisterResult(Message):
 
     TYPE: ClassVar[int] = 2
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("prefill_id", "str"), ("decode_id", "str"), ("ok", "bool"), ("reason", "str"))
+        ("prefill_id", "str"), ("decode_id", "str"), ("session", "uint"), ("ok", "bool"), ("reason", "str"))
     prefill_id: str
     decode_id: str
+    session: int
     ok: bool
     reason: str
 
@@ -147,10 +152,13 @@ class TransferInfo(Message):
 
     TYPE: ClassVar[int] = 3
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("room", "room"), ("decode_id", "str"), ("prefill_id", "str"), ("aux_index", "int"),
+        ("room", "room"), ("epoch", "uint"), ("decode_id", "str"), ("prefill_id", "str"), ("aux_index", "int"),
         ("required_dst_info_num", "uint"), ("is_dummy", "bool"), ("write_aux", "bool"),
         ("decode_prefix_len", "uint"), ("dst_pages", "i32"), ("dst_state_indices", "i32"))
     room: int
+    epoch: int
+    """The receiver's incarnation of this room (new for every ``KVReceiver``): a room id reused after
+    ``clear()`` can never be completed or aborted by the old room's messages."""
     decode_id: str
     prefill_id: str
     """The prefill incarnation (agent name) decode means; a restarted prefill refuses the room."""
@@ -171,8 +179,8 @@ class TransferInfo(Message):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TransferInfo):
             return NotImplemented
-        scalars = ("room", "decode_id", "prefill_id", "aux_index", "required_dst_info_num", "is_dummy", "write_aux",
-                   "decode_prefix_len")
+        scalars = ("room", "epoch", "decode_id", "prefill_id", "aux_index", "required_dst_info_num", "is_dummy",
+                   "write_aux", "decode_prefix_len")
         return all(getattr(self, f) == getattr(other, f) for f in scalars) \
             and np.array_equal(self.dst_pages, other.dst_pages) \
             and np.array_equal(self.dst_state_indices, other.dst_state_indices)
@@ -184,26 +192,33 @@ class Status(Message):
 
     TYPE: ClassVar[int] = 4
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("room", "room"), ("prefill_id", "str"), ("sender_rank", "uint"), ("ok", "bool"), ("reason", "str"))
+        ("room", "room"), ("epoch", "uint"), ("prefill_id", "str"), ("sender_rank", "uint"), ("ok", "bool"),
+        ("reason", "str"))
     room: int
+    epoch: int
+    """The receiver incarnation this status answers (from its TransferInfo or Abort)."""
     prefill_id: str
     """Agent name (incarnation) of the prefill sender."""
     sender_rank: int
     """Unique rank of the prefill sender (distinct senders are counted, never keys)."""
     ok: bool
-    """True: every write landed. False: the room failed and this rank writes nothing more."""
+    """True: every write landed. False: the room failed and this rank writes nothing more into it."""
     reason: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Abort(Message):
-    """Decode → prefill: decode gave up on the room."""
+    """Decode → prefill: decode gave up on the room; prefill answers with ``Status(ok=False)``
+    once none of its writes into the room can still land."""
 
     TYPE: ClassVar[int] = 5
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("room", "room"), ("decode_id", "str"), ("reason", "str"))
+        ("room", "room"), ("epoch", "uint"), ("decode_id", "str"), ("destination_sent", "bool"), ("reason", "str"))
     room: int
+    epoch: int
     decode_id: str
+    destination_sent: bool
+    """Decode sent this rank the room's TransferInfo before this Abort (on the same ordered channel)."""
     reason: str
 
 
@@ -212,9 +227,12 @@ class Ping(Message):
     """Heartbeat request; the receiver answers Pong to ``endpoint``."""
 
     TYPE: ClassVar[int] = 6
-    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (("sender_id", "str"), ("endpoint", "str"), ("seq", "uint"))
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("sender_id", "str"), ("endpoint", "str"), ("session", "uint"), ("seq", "uint"))
     sender_id: str
     endpoint: str
+    session: int
+    """The registration session the sender holds with the receiver; an unknown one is answered with Bye."""
     seq: int
 
 
@@ -223,18 +241,21 @@ class Pong(Message):
     """Heartbeat answer, naming the answering incarnation (a restart shows up here)."""
 
     TYPE: ClassVar[int] = 7
-    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (("sender_id", "str"), ("seq", "uint"))
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (("sender_id", "str"), ("session", "uint"), ("seq", "uint"))
     sender_id: str
+    session: int
     seq: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Bye(Message):
-    """A manager that closes tells its peers, so they stop using this incarnation at once."""
+    """The sender ends its registration session with the receiver (closing, declared dead, or an
+    unknown session). From prefill it also promises that none of its writes can still land."""
 
     TYPE: ClassVar[int] = 8
-    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (("sender_id", "str"), ("reason", "str"))
+    SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (("sender_id", "str"), ("session", "uint"), ("reason", "str"))
     sender_id: str
+    session: int
     reason: str
 
 

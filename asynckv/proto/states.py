@@ -1,20 +1,42 @@
-"""Room states and the one transition table that decides every state change.
+"""Room states, the transition tables that decide every state change, and their KVPoll view.
+
+Each side of a room has its own state machine with every real state explicit:
+
+- a **sender** (prefill) that failed while writes were in flight is ``DRAINING``: it writes
+  nothing new, but decode is told only once every write has settled;
+- a **receiver** (decode) that failed is ``FENCING`` until every prefill rank that got its
+  destination has confirmed it writes no more (or died and its write lease ran out); only
+  then is it ``FAILED``, and only then may decode hand the pages back.
 
 ``KVPoll`` keeps the reference connector's integer values so a scheduler can keep
-MIN-reducing poll results across ranks: any failed rank fails the room everywhere.
+MIN-reducing poll results across ranks: any failed rank fails the room everywhere. The
+README's diagram is generated from ``SENDER_TRANSITIONS`` and ``RECEIVER_TRANSITIONS``.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import TypeVar
 
 from ..errors import LocalProtocolError
 
-__all__ = ["TRANSITIONS", "Event", "KVPoll", "RoomState", "Side", "mermaid_diagram"]
+__all__ = [
+    "RECEIVER_POLL",
+    "RECEIVER_TRANSITIONS",
+    "SENDER_POLL",
+    "SENDER_TRANSITIONS",
+    "Event",
+    "KVPoll",
+    "ReceiverState",
+    "SenderState",
+    "mermaid_diagram",
+    "transition",
+]
 
 
 class KVPoll(enum.IntEnum):
-    """State of one room on one rank; terminal states are Failed and Success."""
+    """State of one room on one rank as schedulers see it; terminal states are Failed and Success."""
 
     Failed = 0
     Bootstrapping = 1
@@ -23,96 +45,121 @@ class KVPoll(enum.IntEnum):
     Success = 4
 
 
-class Side(enum.Enum):
-    SENDER = "sender"
-    RECEIVER = "receiver"
+class SenderState(enum.Enum):
+    """Prefill side of one room."""
+
+    BOOTSTRAPPING = "bootstrapping"
+    """Waiting for decode's destination(s)."""
+    READY = "ready"
+    """Every destination is known; nothing queued yet."""
+    TRANSFERRING = "transferring"
+    """Chunks are queued for the in-flight budget or their writes are in flight."""
+    SUCCEEDED = "succeeded"
+    """Every write landed; decode was told."""
+    DRAINING = "draining"
+    """Failed while writes were in flight: nothing new is posted, decode is told once they settle."""
+    FAILED = "failed"
+    """Failed and nothing of it is in flight; decode was told."""
+
+
+class ReceiverState(enum.Enum):
+    """Decode side of one room."""
+
+    CREATED = "created"
+    """``init()`` not called yet."""
+    RESOLVING = "resolving"
+    """Looking up the prefill's topology and registering with its ranks."""
+    WAITING = "waiting"
+    """The destination went to every prefill rank; waiting for their statuses."""
+    SUCCEEDED = "succeeded"
+    """Every real prefill sender reported that all its writes landed."""
+    FENCING = "fencing"
+    """Failed; waiting until no prefill rank can still write into the pages."""
+    FAILED = "failed"
+    """Failed and fenced: the pages may be reused."""
 
 
 class Event(enum.Enum):
     """What happened to a room (past tense)."""
 
-    DESTINATION_RECEIVED = "destination received"
-    """Sender: every decode destination of the room is known."""
+    DESTINATIONS_KNOWN = "destinations known"
+    CHUNK_QUEUED = "chunk queued"
+    WRITES_LANDED = "writes landed"
+    FAILED_WRITES_IN_FLIGHT = "failed, writes in flight"
+    WRITES_SETTLED = "writes settled"
+    INIT_CALLED = "init called"
     DESTINATION_SENT = "destination sent"
-    """Receiver: the destination pages were handed to every prefill rank."""
-    CHUNK_POSTED = "chunk posted"
-    """Sender: a chunk's writes were handed to the data plane."""
-    TRANSFER_COMPLETED = "transfer completed"
-    """Sender: every write landed. Receiver: every prefill sender reported success."""
+    SENDERS_SUCCEEDED = "senders succeeded"
+    FAILED_MAY_BE_WRITTEN = "failed, may still be written"
+    FENCED = "fenced"
     FAILED = "failed"
-    """Anything went wrong, or the room was aborted or timed out."""
 
 
-_B, _W, _T, _S, _F = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring,
-                      KVPoll.Success, KVPoll.Failed)
+_S = SenderState
+_R = ReceiverState
+_E = Event
 
-TRANSITIONS: dict[Side, dict[KVPoll, dict[Event, KVPoll]]] = {
-    Side.SENDER: {
-        _B: {Event.DESTINATION_RECEIVED: _W, Event.FAILED: _F},
-        _W: {Event.CHUNK_POSTED: _T, Event.FAILED: _F},
-        _T: {Event.CHUNK_POSTED: _T, Event.TRANSFER_COMPLETED: _S, Event.FAILED: _F},
-        _S: {},
-        _F: {},
-    },
-    Side.RECEIVER: {
-        _B: {Event.DESTINATION_SENT: _W, Event.FAILED: _F},
-        _W: {Event.TRANSFER_COMPLETED: _S, Event.FAILED: _F},
-        _S: {},
-        _F: {},
-    },
+SENDER_TRANSITIONS: dict[SenderState, dict[Event, SenderState]] = {
+    _S.BOOTSTRAPPING: {_E.DESTINATIONS_KNOWN: _S.READY, _E.FAILED: _S.FAILED},
+    _S.READY: {_E.CHUNK_QUEUED: _S.TRANSFERRING, _E.FAILED: _S.FAILED},
+    _S.TRANSFERRING: {_E.CHUNK_QUEUED: _S.TRANSFERRING, _E.WRITES_LANDED: _S.SUCCEEDED,
+                      _E.FAILED_WRITES_IN_FLIGHT: _S.DRAINING, _E.FAILED: _S.FAILED},
+    _S.DRAINING: {_E.WRITES_SETTLED: _S.FAILED},
+    _S.SUCCEEDED: {},
+    _S.FAILED: {},
 }
-"""``{side: {state: {event: new_state}}}``; the README's state diagram is generated from it."""
+"""``{state: {event: new_state}}`` of a sender; a move missing here is a local bug."""
+
+RECEIVER_TRANSITIONS: dict[ReceiverState, dict[Event, ReceiverState]] = {
+    _R.CREATED: {_E.INIT_CALLED: _R.RESOLVING, _E.FAILED: _R.FAILED},
+    _R.RESOLVING: {_E.DESTINATION_SENT: _R.WAITING, _E.FAILED: _R.FAILED},
+    _R.WAITING: {_E.SENDERS_SUCCEEDED: _R.SUCCEEDED, _E.FAILED_MAY_BE_WRITTEN: _R.FENCING, _E.FAILED: _R.FAILED},
+    _R.FENCING: {_E.FENCED: _R.FAILED},
+    _R.SUCCEEDED: {},
+    _R.FAILED: {},
+}
+"""``{state: {event: new_state}}`` of a receiver."""
+
+SENDER_POLL: dict[SenderState, KVPoll] = {
+    _S.BOOTSTRAPPING: KVPoll.Bootstrapping, _S.READY: KVPoll.WaitingForInput, _S.TRANSFERRING: KVPoll.Transferring,
+    _S.SUCCEEDED: KVPoll.Success, _S.DRAINING: KVPoll.Failed, _S.FAILED: KVPoll.Failed,
+}
+"""A draining sender already polls Failed: prefill may drop the request (decode waits for the fence)."""
+
+RECEIVER_POLL: dict[ReceiverState, KVPoll] = {
+    _R.CREATED: KVPoll.Bootstrapping, _R.RESOLVING: KVPoll.Bootstrapping, _R.WAITING: KVPoll.WaitingForInput,
+    _R.SUCCEEDED: KVPoll.Success, _R.FENCING: KVPoll.Transferring, _R.FAILED: KVPoll.Failed,
+}
+"""A fencing receiver polls Transferring, never Failed: its pages may still be written."""
 
 
-class RoomState:
-    """The state of one room. Terminal states are sticky; Failed keeps its first reason."""
+StateT = TypeVar("StateT", SenderState, ReceiverState)
 
-    __slots__ = ("exception", "reason", "side", "state")
 
-    def __init__(self, side: Side) -> None:
-        self.side = side
-        self.state = KVPoll.Bootstrapping
-        self.reason: str | None = None
-        self.exception: BaseException | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.state in (KVPoll.Success, KVPoll.Failed)
-
-    def apply(self, event: Event) -> bool:
-        """Apply ``event``; returns whether the state changed.
-
-        Events after a terminal state are ignored (a late message cannot resurrect or
-        un-fail a room). Any other transition missing from the table is a local bug.
-        """
-        if self.done:
-            return False
-        new = TRANSITIONS[self.side][self.state].get(event)
-        if new is None:
-            raise LocalProtocolError(f"{self.side.value}: {event.value!r} is not allowed in {self.state.name}")
-        changed = new != self.state
-        self.state = new
-        return changed
-
-    def fail(self, exc: BaseException) -> bool:
-        """Move to Failed with ``exc`` as the reason; a no-op once terminal."""
-        if self.done:
-            return False
-        self.apply(Event.FAILED)
-        self.exception = exc
-        self.reason = str(exc) or type(exc).__name__
-        return True
+def transition(table: Mapping[StateT, Mapping[Event, StateT]], state: StateT, event: Event) -> StateT:
+    """The state after ``event``; raises ``LocalProtocolError`` for a move the table does not allow."""
+    new = table[state].get(event)
+    if new is None:
+        raise LocalProtocolError(f"{event.value!r} is not allowed in state {state.name}")
+    return new
 
 
 def mermaid_diagram() -> str:
-    """The room state diagram, generated from TRANSITIONS (embedded in the README)."""
+    """The room state diagram, generated from the transition tables (embedded in the README)."""
     lines = ["stateDiagram-v2"]
-    for side, table in TRANSITIONS.items():
-        lines.append(f"    state {side.value} {{")
-        lines.append(f"        [*] --> {side.value}_{KVPoll.Bootstrapping.name}")
-        for state, moves in table.items():
-            for event, new in moves.items():
-                if new != state:
-                    lines.append(f"        {side.value}_{state.name} --> {side.value}_{new.name}: {event.value}")
-        lines.append("    }")
+    lines += _diagram_part("sender", SENDER_TRANSITIONS, SENDER_POLL)
+    lines += _diagram_part("receiver", RECEIVER_TRANSITIONS, RECEIVER_POLL)
     return "\n".join(lines)
+
+
+def _diagram_part(side: str, table: Mapping[StateT, Mapping[Event, StateT]],
+                  poll: Mapping[StateT, KVPoll]) -> list[str]:
+    lines = [f"    state {side} {{", f"        [*] --> {side}_{next(iter(table)).name}"]
+    for state, moves in table.items():
+        for event, new in moves.items():
+            if new != state:
+                lines.append(f"        {side}_{state.name} --> {side}_{new.name}: {event.value}")
+    for state in table:
+        lines.append(f"        {side}_{state.name}: {state.name} (polls {poll[state].name})")
+    lines.append("    }")
+    return lines

@@ -1,0 +1,517 @@
+"""DecodeCore: every rule of the decode side, sans-IO.
+
+Feed it events (``receive``, ``topology_fetched``, ``handle_timer`` and the receiver API
+calls, each with ``now``) and run the actions it returns (``actions()``). It owns the
+room table, the prefill topologies, the registration sessions with prefill ranks,
+liveness and the lease grants.
+
+The fencing rules it keeps:
+
+- a failed room is ``FENCING`` until every prefill rank that got its destination has
+  answered its ``Abort`` with a status, or was declared dead *and* every lease decode
+  granted it has run out; only then is it Failed and the pages may be reused;
+- a prefill declared dead is never granted another lease in that session (its pings are
+  answered with ``Bye``); the next room registers a new session;
+- the death of a rank that already reported success does not fail the room;
+- ``Status`` and ``Abort`` name the room's incarnation (``epoch``), so a room id reused
+  after ``clear()`` is never completed by the old room's messages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..config import Config
+from ..errors import (
+    Aborted,
+    ClosedError,
+    InvalidArgument,
+    LayoutMismatch,
+    LocalProtocolError,
+    PeerRestarted,
+    PeerUnreachable,
+    RemoteProtocolError,
+    TransferFailed,
+    WaitingTimeout,
+)
+from ..kernels import validate_pages
+from ..layout import KVArgs
+from .actions import Action, Closed, FetchTopology, Finished, ForgetEndpoint, InitDone, PeerDown, PeerUp, Send
+from .bootstrap import PrefillRank
+from .liveness import Liveness
+from .messages import MAX_ROOM, Abort, Bye, Message, Ping, Pong, Register, RegisterResult, Status, TransferInfo
+from .prefill import check_int
+from .receiver import RankProgress, ReceiverRoom, Registration
+from .states import Event, ReceiverState
+from .timers import Deadlines
+from .topology import PrefillInstance, TargetPlan, check_compatible, plan_targets
+
+__all__ = ["DecodeCore"]
+
+log = logging.getLogger("asynckv.decode")
+
+
+class DecodeCore:
+    """The decode side of one rank (see the module docstring)."""
+
+    def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config, register: Register) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.kv_args = kv_args
+        self.config = config
+        self._register = register
+        """This rank's Register, sent with prefill_id, session and lease filled in per registration."""
+        self.rooms: dict[int, ReceiverRoom] = {}
+        self.fencing: dict[tuple[int, int], ReceiverRoom] = {}
+        """Cleared rooms still fencing, by (room, epoch): their statuses must still reach them."""
+        self.registrations: dict[str, Registration] = {}
+        self.instances: dict[str, PrefillInstance] = {}
+        self.fetching: dict[str, list[ReceiverRoom]] = {}
+        self._plans: dict[tuple[str, int], tuple[PrefillInstance, TargetPlan]] = {}
+        self.liveness = Liveness(config.heartbeat_interval_s, config.heartbeat_max_failures)
+        self.deadlines = Deadlines()
+        self._epochs = itertools.count(1)
+        self._sessions = itertools.count(1)
+        self._next_beat = 0.0
+        self.closing = False
+        self.closed = False
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._out: list[Action] = []
+        self._handlers: dict[type[Message], Callable[[Any, float], None]] = {
+            RegisterResult: self._on_register_result, Status: self._on_status, Ping: self._on_ping,
+            Pong: self._on_pong, Bye: self._on_bye,
+        }
+
+    # -- the surface the pump drives ---------------------------------------------------
+
+    def actions(self) -> list[Action]:
+        out, self._out = self._out, []
+        return out
+
+    def receive(self, msg: Message, now: float) -> None:
+        self.stats[f"msg_{type(msg).__name__}"] += 1
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._drop("unexpected", f"decode got {type(msg).__name__}")
+            return
+        handler(msg, now)
+
+    def get_timer(self) -> float | None:
+        times = [t for t in (self.deadlines.next(), self._next_beat if len(self.liveness) else None) if t is not None]
+        return min(times) if times else None
+
+    def handle_timer(self, now: float) -> None:
+        for owner in self.deadlines.pop_due(now):
+            if isinstance(owner, Registration):
+                self._registration_timeout(owner, now)
+            elif owner.state is ReceiverState.FENCING:
+                self._fence_deadline(owner, now)
+            elif owner.active:
+                self.fail(owner, WaitingTimeout(
+                    f"room {owner.room}: no result from prefill {owner.addr} after "
+                    f"{self.config.waiting_timeout_s:.1f}s in {owner.poll().name}"), now)
+        if len(self.liveness) and now >= self._next_beat:
+            self._heartbeat(now)
+
+    def topology_fetched(self, addr: str, result: PrefillInstance | BaseException, now: float) -> None:
+        """The answer to ``FetchTopology``: the instance, or why it could not be had."""
+        waiting = self.fetching.pop(addr, [])
+        if isinstance(result, BaseException):
+            for room in waiting:
+                self.fail(room, result, now)
+            return
+        a = self.kv_args
+        try:
+            check_compatible(result, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
+        except LayoutMismatch as exc:
+            for room in waiting:
+                self.fail(room, exc, now)
+            return
+        old = self.instances.get(addr)
+        if old is not None:
+            self._retire_replaced(old, result, now)
+        self.instances[addr] = result
+        for room in waiting:
+            if room.state is ReceiverState.RESOLVING:
+                self._plan_room(room, result, now)
+
+    def close(self, now: float) -> None:
+        """Fail every room; ``Closed`` follows once every room is fenced, then goodbyes are queued."""
+        if self.closing:
+            return
+        self.closing = True
+        for room in list(self.rooms.values()):
+            self.fail(room, ClosedError("manager closed"), now)
+        self._maybe_closed()
+
+    # -- receiver API --------------------------------------------------------------------
+
+    def open_receiver(self, addr: str, room: int, now: float) -> ReceiverRoom:
+        if self.closing:
+            raise ClosedError("KVManager is closed")
+        if type(room) is not int or not 0 <= room <= MAX_ROOM:
+            raise InvalidArgument(f"room must be an int in [0, 2**63), got {room!r}")
+        if room in self.rooms:
+            raise LocalProtocolError(f"room {room} already exists on this manager (clear() it first)")
+        if len(self.rooms) >= self.config.max_rooms:
+            raise InvalidArgument(f"too many rooms ({len(self.rooms)}); raise Config.max_rooms or clear() rooms")
+        receiver = self.rooms[room] = ReceiverRoom(room, addr, next(self._epochs))
+        return receiver
+
+    def receiver_init(self, room: ReceiverRoom, page_indices: Any, aux_index: Any, state_indices: Any,
+                      decode_prefix_len: Any, now: float) -> None:
+        """Validate the destination and start sending it (``InitDone`` follows). Bad input raises."""
+        if room.initialized:
+            raise LocalProtocolError(f"room {room.room}: init() called twice")
+        if not room.active:
+            return  # failed (aborted) before init: nothing to do
+        a = self.kv_args
+        pages = validate_pages(page_indices, a.num_pages, "decode page indices")
+        aux = check_int(aux_index, "aux_index", low=-1)
+        if aux != -1 and aux >= a.num_aux_rows:
+            raise InvalidArgument(f"aux_index {aux} outside the registered aux rows [0, {a.num_aux_rows})")
+        state = validate_pages([] if state_indices is None else state_indices, a.num_state_slots,
+                               "decode state indices")
+        prefix = check_int(decode_prefix_len, "decode_prefix_len")
+        if prefix % a.page_size:
+            raise InvalidArgument(f"decode_prefix_len must be a multiple of page_size {a.page_size}, "
+                                  f"got {decode_prefix_len!r}")
+        room.pages, room.aux_index = pages.astype(np.int32), aux
+        room.state_indices, room.prefix_len = state.astype(np.int32), prefix
+        room.initialized, room.started = True, now
+        room.move(Event.INIT_CALLED)
+        self.deadlines.arm(room, now + self.config.waiting_timeout_s)
+        instance = self.instances.get(room.addr)
+        if instance is not None and not self._stale(instance, now):
+            self._plan_room(room, instance, now)
+            return
+        waiting = self.fetching.setdefault(room.addr, [])
+        waiting.append(room)
+        if len(waiting) == 1:
+            self._emit(FetchTopology(room.addr))
+
+    def abort_receiver(self, room: ReceiverRoom, error: BaseException, now: float) -> None:
+        self.fail(room, error, now)
+
+    def clear_receiver(self, room: ReceiverRoom, now: float) -> None:
+        """Forget the room; an unfinished one is aborted first (its fence still completes unseen)."""
+        if room.cleared:
+            return
+        if room.active:
+            self.fail(room, Aborted("cleared before completion"), now)
+        room.cleared = True
+        if self.rooms.get(room.room) is room:
+            del self.rooms[room.room]
+        if room.state is ReceiverState.FENCING:
+            self.fencing[(room.room, room.epoch)] = room
+
+    def instance(self, addr: str) -> PrefillInstance | None:
+        return self.instances.get(addr)
+
+    # -- rooms -------------------------------------------------------------------------
+
+    def _plan_room(self, room: ReceiverRoom, instance: PrefillInstance, now: float) -> None:
+        try:
+            plan = self._target_plan(room.addr, instance, room.room)
+        except (LayoutMismatch, RemoteProtocolError) as exc:
+            self.fail(room, exc, now)
+            return
+        room.plan = plan
+        room.ranks = {t.rank.agent_id: RankProgress(t.rank, t.is_dummy) for t in plan.targets}
+        for rank in plan.ranks:
+            reg = self._ensure_registration(rank, room.addr, now)
+            if not reg.registered:
+                reg.rooms.append(room)
+        self._maybe_send_destination(room, now)
+
+    def _target_plan(self, addr: str, instance: PrefillInstance, room: int) -> TargetPlan:
+        """The rank mapping of a room: the same for every room of one DP group, so it is cached."""
+        key = (addr, room % instance.dp_size)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is instance:
+            return cached[1]
+        a = self.kv_args
+        plan = plan_targets(instance, room=room, tp_size=a.tp_size, engine_rank=a.engine_rank, pp_size=a.pp_size,
+                            pp_rank=a.pp_rank, is_mla=a.is_mla, total_kv_heads=a.total_kv_head_num)
+        if len(self._plans) > 1024:
+            self._plans.clear()
+        self._plans[key] = (instance, plan)
+        return plan
+
+    def _maybe_send_destination(self, room: ReceiverRoom, now: float) -> None:
+        if room.state is not ReceiverState.RESOLVING or room.plan is None:
+            return
+        regs = [self.registrations.get(agent_id) for agent_id in room.ranks]
+        if not all(reg is not None and reg.registered for reg in regs):
+            return
+        empty = np.empty(0, dtype=np.int32)
+        plan = room.plan
+        for target in plan.targets:
+            prog = room.ranks[target.rank.agent_id]
+            prog.sent = True
+            self._emit(Send(target.rank.endpoint, TransferInfo(
+                room.room, room.epoch, self.name, target.rank.agent_id, room.aux_index, plan.required_dst_info_num,
+                target.is_dummy, target.write_aux, room.prefix_len, empty if target.is_dummy else room.pages,
+                empty if target.is_dummy else room.state_indices)))
+        room.move(Event.DESTINATION_SENT)
+        self._emit(InitDone(room))
+
+    def fail(self, room: ReceiverRoom, error: BaseException, now: float) -> None:
+        """Start failing: tell every rank that may still act on the room, then wait for the fence."""
+        if not room.active:
+            return
+        was_resolving = room.state is ReceiverState.RESOLVING
+        room.exception = error
+        log.info("room %d failing: %s", room.room, error)
+        reason = str(error) or type(error).__name__
+        for prog in room.ranks.values():  # dummies and ranks that never got the destination too:
+            if not prog.done and prog.fenced_at is None:  # their senders fail now, not at their timeout
+                self._emit(Send(prog.rank.endpoint, Abort(room.room, room.epoch, self.name, prog.sent, reason)))
+        if any(p.may_write for p in room.ranks.values()):
+            room.move(Event.FAILED_MAY_BE_WRITTEN)
+            self.deadlines.arm(room, now + self.config.fence_timeout_s)
+            self._maybe_fenced(room, now)
+        else:
+            room.move(Event.FAILED)
+            self._finish(room, now)
+        if was_resolving:
+            self._emit(InitDone(room))
+
+    def _maybe_fenced(self, room: ReceiverRoom, now: float) -> None:
+        if room.state is not ReceiverState.FENCING:
+            return
+        pending = [p for p in room.ranks.values() if p.may_write]
+        if any(p.fenced_at is None for p in pending):
+            return  # an answer is still due (the fence deadline is armed)
+        until = max((p.fenced_at or now for p in pending), default=now)
+        if until > now:
+            self.deadlines.arm(room, until)  # a dead rank's last lease is still running
+            return
+        room.move(Event.FENCED)
+        self._finish(room, now)
+
+    def _fence_deadline(self, room: ReceiverRoom, now: float) -> None:
+        silent = [p for p in room.ranks.values() if p.may_write and p.fenced_at is None]
+        for prog in silent:
+            self.declare_dead(prog.rank.agent_id, PeerUnreachable(
+                f"prefill {prog.rank.agent_id[:8]} did not confirm the abort of room {room.room} within "
+                f"{self.config.fence_timeout_s:.1f}s"), now)
+        self._maybe_fenced(room, now)
+
+    def _finish(self, room: ReceiverRoom, now: float) -> None:
+        room.finished = now
+        self.deadlines.arm(room, None)
+        self.fencing.pop((room.room, room.epoch), None)
+        self._emit(Finished(room))
+        self._maybe_closed()
+
+    # -- registration and peers -----------------------------------------------------------
+
+    def _ensure_registration(self, rank: PrefillRank, addr: str, now: float) -> Registration:
+        reg = self.registrations.get(rank.agent_id)
+        if reg is not None:
+            return reg
+        reg = self.registrations[rank.agent_id] = Registration(rank, addr, next(self._sessions), now)
+        self.deadlines.arm(reg, now + self.config.handshake_timeout_s)
+        self._emit(Send(rank.endpoint, dataclasses.replace(
+            self._register, prefill_id=rank.agent_id, session=reg.session,
+            lease_ms=int(self.liveness.lease_s * 1000))))
+        return reg
+
+    def _registration_timeout(self, reg: Registration, now: float) -> None:
+        if reg.registered or self.registrations.get(reg.rank.agent_id) is not reg:
+            return
+        del self.registrations[reg.rank.agent_id]
+        self.instances.pop(reg.addr, None)  # it may have restarted: look the instance up again next time
+        exc = PeerUnreachable(f"prefill rank tp={reg.rank.tp_rank} at {reg.rank.endpoint} did not answer "
+                              f"registration within {self.config.handshake_timeout_s:.1f}s")
+        for room in reg.rooms:
+            self.fail(room, exc, now)
+
+    def _on_register_result(self, msg: RegisterResult, now: float) -> None:
+        reg = self.registrations.get(msg.prefill_id)
+        if msg.decode_id != self.name or reg is None or reg.session != msg.session or reg.registered:
+            self._drop("stale", f"registration result from {msg.prefill_id[:8]}")
+            return
+        self.deadlines.arm(reg, None)
+        rooms, reg.rooms = reg.rooms, []
+        if msg.ok:
+            reg.registered = True
+            self.liveness.add(msg.prefill_id, reg.rank.endpoint, reg.session, now)  # grants the first lease
+            self._emit(PeerUp(msg.prefill_id, now - reg.started))
+            for room in rooms:
+                self._maybe_send_destination(room, now)
+            return
+        del self.registrations[msg.prefill_id]
+        self.instances.pop(reg.addr, None)  # look the instance (maybe a new incarnation) up on the next room
+        exc: BaseException
+        if msg.reason.startswith("prefill restarted"):
+            exc = PeerRestarted(msg.reason)
+        else:
+            exc = LayoutMismatch(f"prefill refused registration: {msg.reason}")
+        for room in rooms:
+            self.fail(room, exc, now)
+
+    def declare_dead(self, peer_id: str, error: BaseException, now: float, *, fenced_at: float | None = None,
+                     farewell: bool = False) -> None:
+        """Stop working with a prefill incarnation: fail exactly the rooms it still owes something to.
+
+        Its writes are taken to end at ``fenced_at`` (a goodbye promises that), else when every lease
+        granted to it has run out."""
+        state = self.liveness.remove(peer_id)
+        reg = self.registrations.pop(peer_id, None)
+        if fenced_at is None:
+            fenced_at = max(now, state.fence_time) if state is not None else now
+        if reg is not None:
+            self.deadlines.arm(reg, None)
+            self.instances.pop(reg.addr, None)  # a new incarnation behind that address is looked up afresh
+            for room in reg.rooms:
+                self.fail(room, error, now)
+        for room in [*self.rooms.values(), *self.fencing.values()]:
+            prog = room.ranks.get(peer_id)
+            if prog is None or prog.done or prog.fenced_at is not None:
+                continue
+            prog.fenced_at = fenced_at
+            if room.active:
+                self.fail(room, error, now)
+            else:
+                self._maybe_fenced(room, now)
+        if reg is None:
+            return
+        log.log(logging.INFO if farewell else logging.WARNING, "decode: %s", error)
+        self.stats["peers_dead"] += 1
+        self._emit(PeerDown(peer_id, error, farewell))
+        if not farewell:  # if it is alive after all, it must stop writing and forget this session
+            self._emit(Send(reg.rank.endpoint, Bye(self.name, reg.session, f"declared dead: {error}")))
+        self._emit(ForgetEndpoint(reg.rank.endpoint))
+
+    def _stale(self, instance: PrefillInstance, now: float) -> bool:
+        """A registered rank of the cached topology has been quiet for over 1.5 heartbeats: it may
+        have restarted, so the next room looks the instance up again (cheap: one GET)."""
+        for rank in instance.ranks.values():
+            state = self.liveness.get(rank.agent_id)
+            if state is not None and now - state.last_seen > 1.5 * self.config.heartbeat_interval_s:
+                return True
+        return False
+
+    def _retire_replaced(self, old: PrefillInstance, new: PrefillInstance, now: float) -> None:
+        for key, rank in old.ranks.items():
+            current = new.ranks.get(key)
+            if current is not None and current.agent_id != rank.agent_id and rank.agent_id in self.registrations:
+                self.declare_dead(rank.agent_id, PeerRestarted(
+                    f"prefill rank dp={key[0]} tp={key[1]} pp={key[2]} restarted: incarnation "
+                    f"{rank.agent_id[:8]} replaced by {current.agent_id[:8]}"), now)
+
+    def _heartbeat(self, now: float) -> None:
+        cfg = self.config
+        self._next_beat = now + cfg.heartbeat_interval_s
+        for state in self.liveness.expired(now):  # (no grant without hearing it: its leases ran out already)
+            self.declare_dead(state.peer_id, PeerUnreachable(
+                f"peer {state.peer_id[:8]} at {state.endpoint} unheard for {now - state.last_seen:.1f}s "
+                f"(heartbeat every {cfg.heartbeat_interval_s:g}s, {cfg.heartbeat_max_failures} misses allowed)"), now,
+                fenced_at=max(now, state.fence_time))
+        for state, seq in self.liveness.pings_due(now):
+            self._emit(Send(state.endpoint, Ping(self.name, self.endpoint, state.session, seq)))
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _find(self, room: int, epoch: int) -> ReceiverRoom | None:
+        current = self.rooms.get(room)
+        if current is not None and current.epoch == epoch:
+            return current
+        return self.fencing.get((room, epoch))
+
+    def _on_status(self, msg: Status, now: float) -> None:
+        room = self._find(msg.room, msg.epoch)
+        prog = None if room is None else room.ranks.get(msg.prefill_id)
+        if room is None or prog is None:
+            self._drop("late_status", f"room {msg.room}#{msg.epoch} status from {msg.prefill_id[:8]}")
+            return
+        if msg.ok and not prog.may_write:
+            self._drop("unexpected_status", f"room {msg.room} success from a rank that writes nothing")
+            return
+        prog.done = True  # a status, either way, means that rank writes no more
+        if not msg.ok:
+            self.fail(room, TransferFailed(f"prefill rank {msg.sender_rank}: {msg.reason}"), now)
+        elif room.state is ReceiverState.WAITING and room.plan is not None:
+            room.responses.add(msg.sender_rank)
+            if len(room.responses) >= room.plan.required_responses:
+                room.move(Event.SENDERS_SUCCEEDED)
+                self._finish(room, now)
+        self._maybe_fenced(room, now)
+
+    def _on_ping(self, msg: Ping, now: float) -> None:
+        reg = self.registrations.get(msg.sender_id)
+        if reg is not None and reg.registered and reg.session == msg.session and not self.closed:
+            self.liveness.heard(msg.sender_id, now)
+            self.liveness.granted(msg.sender_id, now)  # this pong lets prefill write until its ping time + lease
+            self._emit(Send(reg.rank.endpoint, Pong(self.name, msg.session, msg.seq)))
+            return
+        self._emit(Send(msg.endpoint, Bye(self.name, msg.session, "no such registration session here")))
+        self._drop("stale", f"ping from unknown session of {msg.sender_id[:8]}")
+
+    def _on_pong(self, msg: Pong, now: float) -> None:
+        state = self.liveness.get(msg.sender_id)
+        if state is None or state.session != msg.session:
+            self._drop("stale", f"pong from untracked {msg.sender_id[:8]}")
+            return
+        self.liveness.heard(msg.sender_id, now)
+
+    def _on_bye(self, msg: Bye, now: float) -> None:
+        reg = self.registrations.get(msg.sender_id)
+        if reg is None or reg.session != msg.session:
+            self._drop("stale", f"bye from {msg.sender_id[:8]} for another session")
+            return
+        # A prefill says goodbye only once none of its writes can still land.
+        self.declare_dead(msg.sender_id, PeerUnreachable(f"peer {msg.sender_id[:8]} closed: {msg.reason}"), now,
+                          fenced_at=now, farewell=True)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _maybe_closed(self) -> None:
+        if not self.closing or self.closed:
+            return
+        if any(not r.terminal for r in self.rooms.values()) or self.fencing:
+            return
+        self.closed = True
+        for prefill_id, reg in list(self.registrations.items()):
+            self._emit(Send(reg.rank.endpoint, Bye(self.name, reg.session, "manager closed")))
+            self.liveness.remove(prefill_id)
+        self._emit(Closed())
+
+    def _emit(self, action: Action) -> None:
+        self._out.append(action)
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self.stats[f"dropped_{reason}"] += 1
+        log.debug("dropped control message (%s): %s", reason, detail)
+
+    def room_counts(self) -> dict[str, int]:
+        return {"receivers": len(self.rooms), "fencing_rooms": len(self.fencing),
+                "registrations_pending": sum(1 for r in self.registrations.values() if not r.registered),
+                "topology_lookups": len(self.fetching)}
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Rooms by state and peers with their unfinished rooms: plain JSON types only."""
+        by_state = collections.Counter(room.poll().name for room in self.rooms.values())
+        per_peer: collections.Counter[str] = collections.Counter()
+        for room in self.rooms.values():
+            if not room.terminal:
+                per_peer.update(room.ranks)
+        peers = []
+        for prefill_id, reg in self.registrations.items():
+            state = self.liveness.get(prefill_id)
+            heard = None if state is None else now - state.last_seen
+            peers.append({"peer": prefill_id, "endpoint": reg.rank.endpoint, "session": reg.session,
+                          "phase": "connected" if reg.registered else "connecting", "last_heard_s_ago": heard,
+                          "alive": heard is not None and heard <= 2 * self.config.heartbeat_interval_s,
+                          "rooms": per_peer[prefill_id]})
+        return {"mode": "decode", "name": self.name, "rooms": dict(by_state), "peers": peers,
+                "tables": self.room_counts()}

@@ -1,0 +1,74 @@
+"""Prefill: what is known of a room while no sender exists for it.
+
+- destinations (``TransferInfo``) that arrived before the prefill scheduler created the sender;
+- aborts from decode that arrived before the sender (a sender created later fails at once);
+- a *failure notice*: the sender failed (aborted, timed out) and was cleared before its
+  destinations arrived, so a destination arriving later is answered ``Status(ok=False)`` at
+  once instead of waiting for decode's timeout.
+
+Bounded by count and by age (``ttl_s``), oldest first.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from .messages import TransferInfo
+
+__all__ = ["EarlyRoom", "EarlyTable"]
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class EarlyRoom:
+    deadline: float
+    infos: dict[str, TransferInfo] = dataclasses.field(default_factory=dict)
+    aborts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """decode_id -> reason of aborts that came before the sender."""
+    failed: str | None = None
+    """Why the cleared sender failed, for destinations that arrive late."""
+    answered: set[str] = dataclasses.field(default_factory=set)
+    """Decode ranks told of ``failed`` (or that aborted themselves)."""
+    required: int | None = None
+
+
+class EarlyTable:
+    def __init__(self, max_rooms: int, ttl_s: float) -> None:
+        self.max_rooms = max_rooms
+        self.ttl_s = ttl_s
+        self._rooms: collections.OrderedDict[int, EarlyRoom] = collections.OrderedDict()
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def get(self, room: int) -> EarlyRoom | None:
+        return self._rooms.get(room)
+
+    def pop(self, room: int) -> EarlyRoom | None:
+        return self._rooms.pop(room, None)
+
+    def get_or_add(self, room: int, now: float) -> EarlyRoom | None:
+        """The record of ``room``, made if needed; None when the table is full."""
+        early = self._rooms.get(room)
+        if early is not None:
+            return early
+        self.expire(now)
+        if len(self._rooms) >= self.max_rooms:
+            return None
+        early = self._rooms[room] = EarlyRoom(now + self.ttl_s)
+        return early
+
+    def expire(self, now: float) -> None:
+        while self._rooms:
+            room, early = next(iter(self._rooms.items()))
+            if early.deadline > now:
+                return
+            del self._rooms[room]
+            self.expired += 1
+
+    def clear(self) -> None:
+        self._rooms.clear()
+
+    def next_deadline(self) -> float | None:
+        return next(iter(self._rooms.values())).deadline if self._rooms else None

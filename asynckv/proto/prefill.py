@@ -1,0 +1,710 @@
+"""PrefillCore: every rule of the prefill side, sans-IO.
+
+Feed it events (``receive``, ``post_settled``, ``peer_connected``, ``handle_timer`` and the
+sender API calls, each with ``now``) and run the actions it returns (``actions()``). It
+owns the room table, the early table, the decode peers and their sessions, liveness and
+write leases, and the in-flight byte budget.
+
+The fencing rules it keeps:
+
+- a failed room posts nothing new; writes already handed to the data plane are cancelled,
+  and decode hears ``Status(ok=False)`` only once every one of them has settled (DRAINING);
+- a chunk waiting for the byte budget is never posted once its room failed;
+- a dropped decode peer (dead, said goodbye, registered again) has its posts cancelled and
+  hears ``Bye`` only once they all settled; a later registration starts a new session;
+- ``close()`` fails every room, and says goodbye to each peer after its writes settled,
+  after every status already decided (messages to one peer leave in order).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..config import Config
+from ..errors import (
+    Aborted,
+    AsyncKVError,
+    BootstrapTimeout,
+    ClosedError,
+    InvalidArgument,
+    LocalProtocolError,
+    PeerRestarted,
+    PeerUnreachable,
+    RemoteProtocolError,
+)
+from ..kernels import validate_pages
+from ..layout import KVArgs
+from .actions import (
+    Action,
+    CancelPosts,
+    ChunkPosted,
+    Closed,
+    ConnectPeer,
+    DisconnectPeer,
+    Finished,
+    ForgetEndpoint,
+    PeerDown,
+    PeerUp,
+    Post,
+    RoomReady,
+    Send,
+    SetLease,
+)
+from .early import EarlyTable
+from .liveness import Liveness
+from .messages import MAX_ROOM, Abort, Bye, Message, Ping, Pong, Register, RegisterResult, Status, TransferInfo
+from .sender import DecodePeer, Destination, PeerPhase, SenderRoom
+from .states import Event, SenderState
+from .timers import Deadlines
+from .topology import plan_peer
+
+__all__ = ["PrefillCore", "check_int"]
+
+log = logging.getLogger("asynckv.prefill")
+
+I64 = npt.NDArray[np.int64]
+MAX_LEASE_S = 60.0
+"""A decode cannot grant itself writes for longer than this, whatever its Register says."""
+
+
+def check_int(value: Any, what: str, low: int = 0) -> int:
+    """An integer (Python or numpy, never bool or float) >= ``low``, as a Python int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InvalidArgument(f"{what} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Queued:
+    """A write waiting for the in-flight byte budget."""
+
+    room: SenderRoom
+    dest: Destination
+    kind: str
+    src: I64
+    dst: I64
+    nbytes: int
+    chunk: int
+    last_of_chunk: bool
+
+
+class PrefillCore:
+    """The prefill side of one rank (see the module docstring)."""
+
+    def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.kv_args = kv_args
+        self.config = config
+        a = kv_args
+        self.sender_rank = (a.dp_rank * a.tp_size + a.engine_rank) * a.pp_size + a.pp_rank
+        self.page_bytes = int(sum(a.kv_item_lens))
+        self.aux_bytes = int(sum(a.aux_item_lens))
+        self.state_bytes = int(sum(a.state_item_lens))
+        self.rooms: dict[int, SenderRoom] = {}
+        self.draining: dict[SenderRoom, None] = {}
+        """Cleared rooms whose writes are still settling (decode is told when they have); ordered."""
+        self.peers: dict[str, DecodePeer] = {}
+        self.retired: dict[DecodePeer, None] = {}
+        """Dropped peers whose posts or connection are still settling; ordered."""
+        self._blocked: dict[str, DecodePeer] = {}
+        """New sessions waiting for the previous session's connection to finish."""
+        self.early = EarlyTable(config.max_early_infos, config.early_info_ttl_s)
+        self.liveness = Liveness(config.heartbeat_interval_s, config.heartbeat_max_failures)
+        self.deadlines = Deadlines()
+        self.posts: dict[int, tuple[SenderRoom, Destination, int]] = {}
+        self.inflight_bytes = 0
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._post_ids = itertools.count(1)
+        self._next_beat = 0.0
+        self.closing = False
+        self.closed = False
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._out: list[Action] = []
+        self._handlers: dict[type[Message], Callable[[Any, float], None]] = {
+            Register: self._on_register, TransferInfo: self._on_transfer_info, Abort: self._on_abort,
+            Ping: self._on_ping, Pong: self._on_pong, Bye: self._on_bye,
+        }
+
+    # -- the surface the pump drives ---------------------------------------------------
+
+    def actions(self) -> list[Action]:
+        """Take the actions produced so far, in order."""
+        out, self._out = self._out, []
+        return out
+
+    def receive(self, msg: Message, now: float) -> None:
+        """A decoded control message."""
+        self.stats[f"msg_{type(msg).__name__}"] += 1
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._drop("unexpected", f"prefill got {type(msg).__name__}")
+            return
+        handler(msg, now)
+
+    def get_timer(self) -> float | None:
+        """When ``handle_timer`` must run next (monotonic seconds), or None."""
+        times = [t for t in (self.deadlines.next(), self.early.next_deadline(),
+                             self._next_beat if len(self.liveness) else None) if t is not None]
+        return min(times) if times else None
+
+    def handle_timer(self, now: float) -> None:
+        for room in self.deadlines.pop_due(now):
+            if room.state is SenderState.BOOTSTRAPPING:
+                self.fail(room, BootstrapTimeout(
+                    f"room {room.room}: no destination from decode after {self.config.bootstrap_timeout_s:.1f}s "
+                    f"({len(room.destinations)}/{room.required or 1} decode ranks)"), now)
+        expired = self.early.expired
+        self.early.expire(now)
+        self.stats["early_expired"] += self.early.expired - expired
+        if len(self.liveness) and now >= self._next_beat:
+            self._heartbeat(now)
+
+    def post_settled(self, post_id: int, error: BaseException | None, now: float) -> None:
+        """The data plane settled a post: every byte landed (``error`` None), or none will land any more."""
+        record = self.posts.pop(post_id, None)
+        if record is None:
+            self.stats["unknown_post"] += 1
+            return
+        room, dest, nbytes = record
+        peer = dest.peer
+        self.inflight_bytes -= nbytes
+        room.posts.discard(post_id)
+        peer.posts.discard(post_id)
+        if error is not None:
+            if isinstance(error, PeerUnreachable) and peer.phase is PeerPhase.CONNECTED:
+                self.drop_peer(peer, error, now, say_bye=True)  # NIXL saw the disconnect: no need to wait
+            self.fail(room, error, now)
+        if room.state is SenderState.DRAINING and not room.posts:
+            room.move(Event.WRITES_SETTLED)
+            self._report_failure(room, now)
+        else:
+            self._maybe_succeed(room, now)
+        self._peer_progress(peer)
+        self._pump_queue()
+        self._maybe_closed()
+
+    def peer_connected(self, peer: DecodePeer, error: BaseException | None, now: float) -> None:
+        """The data plane answered ``ConnectPeer`` (``error`` None: connected and warmed up)."""
+        peer.connecting = False
+        if peer.phase is PeerPhase.DRAINING:  # dropped while it was connecting
+            if error is None:
+                self._emit(DisconnectPeer(peer.name))
+            self._peer_progress(peer)
+            return
+        if error is not None:
+            if self.peers.get(peer.name) is peer:
+                del self.peers[peer.name]
+            self.stats["peers_refused"] += 1
+            log.warning("refused decode peer %s at %s: %s", peer.name[:8], peer.endpoint, error)
+            self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, False, str(error))))
+            return
+        peer.phase = PeerPhase.CONNECTED
+        state = self.liveness.add(peer.name, peer.endpoint, peer.session, now, lease_s=peer.lease_s)
+        self._emit(SetLease(peer.name, state.lease_until))  # before decode can send a destination
+        self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, True, "")))
+        self._emit(PeerUp(peer.name, now - peer.started))
+        self.stats["peers_added"] += 1
+
+    def close(self, now: float) -> None:
+        """Fail every room and drop every peer; ``Closed`` follows once every write settled."""
+        if self.closing:
+            return
+        self.closing = True
+        for room in list(self.rooms.values()):
+            self.fail(room, ClosedError("manager closed"), now)
+        self._blocked.clear()
+        self.early.clear()  # nobody will create a sender here any more
+        for peer in list(self.peers.values()):
+            self.drop_peer(peer, ClosedError("manager closed"), now, say_bye=True, farewell=True)
+        self._maybe_closed()
+
+    # -- sender API --------------------------------------------------------------------
+
+    def open_sender(self, room: int, now: float) -> SenderRoom:
+        """A new sender for ``room``; destinations or aborts that came first apply at once."""
+        if self.closing:
+            raise ClosedError("KVManager is closed")
+        if type(room) is not int or not 0 <= room <= MAX_ROOM:
+            raise InvalidArgument(f"room must be an int in [0, 2**63), got {room!r}")
+        if room in self.rooms:
+            raise LocalProtocolError(f"room {room} already exists on this manager (clear() it first)")
+        if len(self.rooms) >= self.config.max_rooms:
+            raise InvalidArgument(f"too many rooms ({len(self.rooms)}); raise Config.max_rooms or clear() rooms")
+        sender = self.rooms[room] = SenderRoom(room)
+        self.deadlines.arm(sender, now + self.config.bootstrap_timeout_s)
+        early = self.early.pop(room)
+        if early is not None:  # a failure notice of an earlier sender of this id is void now
+            for decode_id, info in early.infos.items():
+                peer = self.peers.get(decode_id)
+                if peer is not None and peer.phase is PeerPhase.CONNECTED:
+                    self._on_destination(sender, info, peer, now)
+            if early.aborts:
+                self.fail(sender, Aborted(next(iter(early.aborts.values()))), now)
+        return sender
+
+    def sender_init(self, room: SenderRoom, num_pages: Any, aux_index: Any, now: float) -> None:
+        """How many pages the room sends in total, and which aux row carries its metadata (-1: none)."""
+        if room.num_pages is not None:
+            raise LocalProtocolError(f"room {room.room}: init() called twice")
+        pages = check_int(num_pages, "num_pages")
+        aux = check_int(aux_index, "aux_index", low=-1)
+        rows = self.kv_args.num_aux_rows
+        if aux != -1 and aux >= rows:
+            raise InvalidArgument(f"aux_index {aux} outside the registered aux rows [0, {rows})")
+        room.num_pages, room.aux_index = pages, aux
+        if room.state is SenderState.READY:
+            self._check_page_counts(room, now)
+
+    def send_chunk(self, room: SenderRoom, page_indices: Any, state_indices: Any, now: float) -> int | None:
+        """Queue one chunk; returns its number (``ChunkPosted`` follows), or None if the room already failed."""
+        if room.state in (SenderState.DRAINING, SenderState.FAILED):
+            return None
+        if room.num_pages is None:
+            raise LocalProtocolError(f"room {room.room}: send() before init()")
+        if room.state not in (SenderState.READY, SenderState.TRANSFERRING):
+            raise LocalProtocolError(f"room {room.room}: send() in state {room.poll().name}")
+        if room.last_queued:
+            raise LocalProtocolError(f"room {room.room}: the last chunk was already sent")
+        a = self.kv_args
+        pages = validate_pages(page_indices, a.num_pages, "prefill page indices")
+        n = len(pages)
+        if room.cursor + n > room.num_pages:
+            raise InvalidArgument(f"room {room.room}: chunk of {n} pages overruns num_pages={room.num_pages} "
+                                  f"(already sent {room.cursor})")
+        is_last = room.cursor + n == room.num_pages
+        state = None
+        if state_indices is not None:
+            if not is_last:
+                raise InvalidArgument(f"room {room.room}: state_indices go with the last chunk")
+            state = validate_pages(state_indices, a.num_state_slots, "prefill state indices")
+        start, room.cursor, room.last_queued = room.cursor, room.cursor + n, is_last
+        if room.started is None:
+            room.started = now
+        chunk = room.chunks
+        room.chunks += 1
+        room.move(Event.CHUNK_QUEUED)
+        try:
+            writes = self._chunk_writes(room, pages, start, state if is_last else None, is_last)
+        except InvalidArgument as exc:
+            self.fail(room, exc, now)
+            return chunk
+        for i, (dest, kind, src, dst, nbytes) in enumerate(writes):
+            self._queue.append(_Queued(room, dest, kind, src, dst, nbytes, chunk, i == len(writes) - 1))
+        room.queued += len(writes)
+        if not writes:
+            self._emit(ChunkPosted(room, chunk))
+        self._pump_queue()
+        self._maybe_succeed(room, now)
+        return chunk
+
+    def abort_sender(self, room: SenderRoom, exc: BaseException, now: float) -> None:
+        self.fail(room, exc, now)
+
+    def clear_sender(self, room: SenderRoom, now: float) -> None:
+        """Forget the room; an unfinished one is aborted first (decode is told once its writes settled)."""
+        if room.cleared:
+            return
+        if room.active:
+            self.fail(room, Aborted("cleared before completion"), now)
+        room.cleared = True
+        if self.rooms.get(room.room) is room:
+            del self.rooms[room.room]
+        self.deadlines.arm(room, None)
+        if room.state is SenderState.DRAINING:
+            self.draining[room] = None
+        else:
+            self._retire(room, now)
+
+    # -- peers --------------------------------------------------------------------------
+
+    def declare_dead(self, peer_id: str, error: BaseException, now: float) -> None:
+        """Drop a decode peer now: fail its rooms, cancel its writes, say goodbye once they settled."""
+        peer = self.peers.get(peer_id)
+        if peer is not None:
+            self.drop_peer(peer, error, now, say_bye=True)
+
+    def drop_peer(self, peer: DecodePeer, error: BaseException, now: float, *, say_bye: bool,
+                  farewell: bool = False) -> None:
+        if peer.phase is PeerPhase.DRAINING:
+            return
+        peer.phase, peer.say_bye = PeerPhase.DRAINING, say_bye
+        peer.bye_reason = f"declared dead: {error}" if not farewell else str(error)
+        if self.peers.get(peer.name) is peer:
+            del self.peers[peer.name]
+            state = self.liveness.get(peer.name)
+            if state is not None and state.session == peer.session:
+                self.liveness.remove(peer.name)
+        self.retired[peer] = None
+        self.stats["peers_dead"] += 1
+        self._emit(PeerDown(peer.name, error, farewell))
+        for room in [*self.rooms.values(), *self.draining]:
+            if any(d.peer is peer for d in room.destinations.values()):
+                self.fail(room, error, now)
+        if peer.posts:  # posts of rooms that were already draining
+            self._emit(CancelPosts(tuple(sorted(peer.posts)), error))
+        if not peer.connecting:
+            self._emit(DisconnectPeer(peer.name))
+        self._peer_progress(peer)
+
+    def _peer_progress(self, peer: DecodePeer) -> None:
+        """A dropped peer with nothing in flight: goodbye, then a waiting new session may connect."""
+        if peer.phase is not PeerPhase.DRAINING or peer.posts or peer.connecting or peer not in self.retired:
+            return
+        del self.retired[peer]
+        if peer.say_bye:
+            self._emit(Send(peer.endpoint, Bye(self.name, peer.session, peer.bye_reason)))
+        current = self.peers.get(peer.name)
+        if current is None or current.endpoint != peer.endpoint:
+            self._emit(ForgetEndpoint(peer.endpoint))
+        blocked = self._blocked.pop(peer.name, None)
+        if blocked is not None and self.peers.get(peer.name) is blocked:
+            self._emit(ConnectPeer(blocked))
+        self._maybe_closed()
+
+    def _heartbeat(self, now: float) -> None:
+        cfg = self.config
+        self._next_beat = now + cfg.heartbeat_interval_s
+        for state in self.liveness.expired(now):
+            peer = self.peers.get(state.peer_id)
+            if peer is not None and peer.session == state.session:
+                self.drop_peer(peer, PeerUnreachable(
+                    f"peer {state.peer_id[:8]} at {state.endpoint} unheard for {now - state.last_seen:.1f}s "
+                    f"(heartbeat every {cfg.heartbeat_interval_s:g}s, {cfg.heartbeat_max_failures} misses allowed)"),
+                    now, say_bye=True)
+        for state, seq in self.liveness.pings_due(now):
+            self._emit(Send(state.endpoint, Ping(self.name, self.endpoint, state.session, seq)))
+
+    # -- messages -------------------------------------------------------------------------
+
+    def _on_register(self, reg: Register, now: float) -> None:
+        def refuse(reason: str) -> None:
+            self.stats["peers_refused"] += 1
+            self._emit(Send(reg.endpoint, RegisterResult(self.name, reg.decode_id, reg.session, False, reason)))
+
+        if reg.prefill_id != self.name:
+            self._emit(Send(reg.endpoint, RegisterResult(reg.prefill_id, reg.decode_id, reg.session, False, (
+                f"prefill restarted: decode expected incarnation {reg.prefill_id[:8]}, this is {self.name[:8]}"))))
+            return
+        if self.closing:
+            refuse("prefill manager closing")
+            return
+        current = self.peers.get(reg.decode_id)
+        if current is not None and current.session == reg.session:
+            if current.phase is PeerPhase.CONNECTED:  # a duplicate: answer again
+                self._emit(Send(reg.endpoint, RegisterResult(self.name, reg.decode_id, reg.session, True, "")))
+            return
+        if current is None and len(self.peers) + len(self.retired) >= self.config.max_peers:
+            refuse(f"too many decode peers ({self.config.max_peers})")
+            return
+        try:
+            plan = plan_peer(self.kv_args, reg)
+        except AsyncKVError as exc:
+            log.warning("refused decode peer %s at %s: %s", reg.decode_id[:8], reg.endpoint, exc)
+            refuse(str(exc))
+            return
+        peer = DecodePeer.from_register(reg, plan, now, MAX_LEASE_S)
+        if current is not None:  # the decode forgot its old session with us: void it first
+            self.drop_peer(current, PeerRestarted(
+                f"decode {reg.decode_id[:8]} registered again (session {reg.session})"), now, say_bye=False)
+        self.peers[reg.decode_id] = peer
+        if any(p.name == reg.decode_id and p.connecting for p in self.retired):
+            self._blocked[reg.decode_id] = peer  # connects once the old connection is undone
+        else:
+            self._emit(ConnectPeer(peer))
+
+    def _on_transfer_info(self, info: TransferInfo, now: float) -> None:
+        if info.prefill_id != self.name:
+            self._drop("stale_incarnation", f"room {info.room} meant for {info.prefill_id[:8]}")
+            return
+        peer = self.peers.get(info.decode_id)
+        if peer is None or peer.phase is not PeerPhase.CONNECTED:
+            self._drop("unknown_peer", f"room {info.room} from unregistered {info.decode_id[:8]}")
+            return
+        room = self.rooms.get(info.room)
+        if room is not None:
+            self._on_destination(room, info, peer, now)
+            return
+        early = self.early.get(info.room)
+        if early is not None and early.failed is not None:  # the sender failed and was cleared already
+            self._status(peer, info.room, info.epoch, False, early.failed)
+            early.answered.add(info.decode_id)
+            early.required = info.required_dst_info_num
+            if len(early.answered) >= early.required:
+                self.early.pop(info.room)
+            return
+        early = self.early.get_or_add(info.room, now)
+        if early is None:
+            self._drop("early_full", f"room {info.room}: too many rooms without a sender")
+            return
+        early.infos[info.decode_id] = info
+
+    def _on_destination(self, room: SenderRoom, info: TransferInfo, peer: DecodePeer, now: float) -> None:
+        old = room.destinations.get(info.decode_id)
+        if room.state is not SenderState.BOOTSTRAPPING:
+            if old is not None and old.epoch == info.epoch:
+                self._drop("duplicate", f"room {room.room} destination again")
+                return
+            self.stats["late_info"] += 1
+            why = room.reason if room.exception is not None else "it already has its destinations"
+            self._status(peer, room.room, info.epoch, False,
+                         f"room {room.room} is {room.state.value} on this prefill rank: {why}")
+            return
+        room.destinations[info.decode_id] = Destination(info, peer)
+        try:
+            self._validate_destination(info, peer)
+        except InvalidArgument as exc:
+            self.fail(room, RemoteProtocolError(f"room {room.room}: {exc}"), now)  # reaches that decode
+            return
+        room.required = info.required_dst_info_num
+        if old is not None and old.epoch != info.epoch:
+            self.stats["replaced_info"] += 1
+        if len(room.destinations) >= room.required:
+            room.move(Event.DESTINATIONS_KNOWN)
+            self.deadlines.arm(room, None)
+            if room.num_pages is not None:
+                self._check_page_counts(room, now)
+            if room.active:
+                self._emit(RoomReady(room))
+
+    def _validate_destination(self, info: TransferInfo, peer: DecodePeer) -> None:
+        validate_pages(info.dst_pages, peer.num_pages, "decode destination pages")
+        validate_pages(info.dst_state_indices, peer.num_state_slots, "decode state indices")
+        if info.aux_index != -1 and not 0 <= info.aux_index < peer.num_aux_rows:
+            raise InvalidArgument(f"decode aux_index {info.aux_index} outside [0, {peer.num_aux_rows})")
+        if info.required_dst_info_num < 1:
+            raise InvalidArgument("required_dst_info_num must be >= 1")
+        if info.decode_prefix_len % self.kv_args.page_size:
+            raise InvalidArgument(f"decode_prefix_len {info.decode_prefix_len} is not a multiple of "
+                                  f"page_size {self.kv_args.page_size}")
+
+    def _on_abort(self, msg: Abort, now: float) -> None:
+        """Fail the room; decode learns that nothing more will be written from a Status, sent once the
+        writes into that destination settled (at once when none can be in flight)."""
+        peer = self.peers.get(msg.decode_id)
+        reason = f"aborted by decode: {msg.reason}"
+
+        def ack() -> None:
+            if peer is not None and peer.phase is PeerPhase.CONNECTED:
+                self._status(peer, msg.room, msg.epoch, False, reason)
+
+        current = self.rooms.get(msg.room)
+        for room in [*([current] if current is not None else []), *self.draining]:
+            dest = room.destinations.get(msg.decode_id)
+            if room.room != msg.room or dest is None or dest.epoch != msg.epoch:
+                continue
+            if room.active:
+                self.fail(room, Aborted(reason), now)  # tells that decode now, or once its writes settled
+            elif room.state is not SenderState.DRAINING:
+                ack()
+            return  # (a draining room tells that decode once its writes settled)
+        if current is not None:
+            if not msg.destination_sent and current.active and msg.decode_id not in current.destinations:
+                self.fail(current, Aborted(reason), now)  # the abort came before that decode's destination
+            ack()
+            return
+        early = self.early.get(msg.room)
+        if early is not None and msg.decode_id in early.infos:
+            del early.infos[msg.decode_id]
+            early.aborts[msg.decode_id] = reason
+        elif early is not None and early.failed is not None:
+            early.answered.add(msg.decode_id)
+        elif not msg.destination_sent:  # a sender created later fails at once instead of at its timeout
+            early = self.early.get_or_add(msg.room, now)
+            if early is not None:
+                early.aborts[msg.decode_id] = reason
+        ack()
+
+    def _on_ping(self, msg: Ping, now: float) -> None:
+        state = self.liveness.get(msg.sender_id)
+        if state is not None and state.session == msg.session:
+            self.liveness.heard(msg.sender_id, now)
+            self._emit(Send(state.endpoint, Pong(self.name, msg.session, msg.seq)))
+        elif not any(p.name == msg.sender_id and p.session == msg.session for p in self.retired):
+            self._emit(Send(msg.endpoint, Bye(self.name, msg.session, "no such registration session here")))
+            self._drop("stale", f"ping from unknown session of {msg.sender_id[:8]}")
+
+    def _on_pong(self, msg: Pong, now: float) -> None:
+        lease = self.liveness.on_pong(msg.sender_id, msg.session, msg.seq, now)
+        if lease is not None:
+            self._emit(SetLease(msg.sender_id, lease))
+        elif msg.sender_id not in self.liveness:
+            self._drop("stale", f"pong from untracked {msg.sender_id[:8]}")
+
+    def _on_bye(self, msg: Bye, now: float) -> None:
+        peer = self.peers.get(msg.sender_id)
+        if peer is None or peer.session != msg.session:
+            self._drop("stale", f"bye from {msg.sender_id[:8]} for another session")
+            return
+        self.drop_peer(peer, PeerUnreachable(f"peer {msg.sender_id[:8]} closed: {msg.reason}"), now,
+                       say_bye=False, farewell=True)
+
+    def version_mismatch(self, msg_type: int, body: dict[str, Any] | None, reason: str) -> None:
+        """A message in another protocol version: a registration is refused naming both versions."""
+        body = body or {}
+        endpoint, decode_id, session = body.get("endpoint"), body.get("decode_id"), body.get("session", 0)
+        if msg_type == Register.TYPE and isinstance(endpoint, str) and isinstance(decode_id, str) \
+                and endpoint.startswith("tcp://") and type(session) is int and session >= 0:
+            self._emit(Send(endpoint, RegisterResult(self.name, decode_id, session, False, reason)))
+
+    # -- rooms ----------------------------------------------------------------------------
+
+    def fail(self, room: SenderRoom, error: BaseException, now: float) -> None:
+        """Fail the room: nothing more is posted, writes in flight are cancelled, and decode is told once
+        they have all settled (landed, failed or cancelled), so it may reuse its pages."""
+        if not room.active:
+            return
+        room.exception, room.finished = error, now
+        self.deadlines.arm(room, None)
+        log.info("room %d failed: %s", room.room, room.reason)
+        if room.posts:
+            room.move(Event.FAILED_WRITES_IN_FLIGHT)
+            self._emit(CancelPosts(tuple(sorted(room.posts)), error))
+        else:
+            room.move(Event.FAILED)
+            self._report_failure(room, now)
+        self._emit(Finished(room))
+
+    def _maybe_succeed(self, room: SenderRoom, now: float) -> None:
+        if room.state is not SenderState.TRANSFERRING or not room.last_queued or room.queued or room.posts:
+            return
+        room.move(Event.WRITES_LANDED)
+        room.finished = now
+        for dest in room.destinations.values():  # dummies report failures only: decode counts real senders
+            if not dest.info.is_dummy:
+                self._status(dest.peer, room.room, dest.epoch, True, "")
+        self._emit(Finished(room))
+
+    def _report_failure(self, room: SenderRoom, now: float) -> None:
+        """Nothing of the room is in flight: tell every destination still registered (dummies too)."""
+        reason = room.reason or "failed"
+        for dest in room.destinations.values():
+            self._status(dest.peer, room.room, dest.epoch, False, reason)
+        if room.cleared:
+            self.draining.pop(room, None)
+            self._retire(room, now)
+
+    def _retire(self, room: SenderRoom, now: float) -> None:
+        """A cleared room with nothing in flight; leave a failure notice for destinations still to come."""
+        if room.exception is None or room.room in self.rooms:
+            return
+        if room.required is not None and len(room.destinations) >= room.required:
+            return
+        early = self.early.get_or_add(room.room, now)
+        if early is not None:
+            early.failed = room.reason
+            early.answered = set(room.destinations)
+            early.required = room.required
+
+    def _check_page_counts(self, room: SenderRoom, now: float) -> None:
+        for dest in room.destinations.values():
+            if not dest.info.is_dummy and len(dest.info.dst_pages) != room.num_pages:
+                self.fail(room, InvalidArgument(f"room {room.room}: decode expects {len(dest.info.dst_pages)} "
+                                                f"pages, prefill will send {room.num_pages}"), now)
+                return
+
+    def _chunk_writes(self, room: SenderRoom, pages: I64, start: int, state: I64 | None,
+                      is_last: bool) -> list[tuple[Destination, str, I64, I64, int]]:
+        """The writes of one chunk, per destination: KV pages, and with the last chunk aux and state."""
+        writes = []
+        n = len(pages)
+        for dest in room.destinations.values():
+            info = dest.info
+            if info.is_dummy:
+                continue
+            if n:
+                writes.append((dest, "kv", pages, info.dst_pages[start:start + n].astype(np.int64),
+                               n * self.page_bytes))
+            if not is_last:
+                continue
+            if info.write_aux and room.aux_index >= 0 and info.aux_index >= 0:
+                writes.append((dest, "aux", np.array([room.aux_index], dtype=np.int64),
+                               np.array([info.aux_index], dtype=np.int64), self.aux_bytes))
+            plan = dest.peer.plan.state
+            if plan is None or len(info.dst_state_indices) == 0 or (plan.replicated and not info.write_aux):
+                continue
+            if state is None or len(state) != len(info.dst_state_indices):
+                got = "none" if state is None else len(state)
+                raise InvalidArgument(f"room {room.room}: decode expects {len(info.dst_state_indices)} state "
+                                      f"indices, the last chunk carried {got}")
+            writes.append((dest, "state", state, info.dst_state_indices.astype(np.int64),
+                           len(state) * self.state_bytes))
+        return writes
+
+    def _pump_queue(self) -> None:
+        """Post queued writes, oldest first, while the in-flight byte budget allows (a write larger
+        than the whole budget goes alone)."""
+        limit = self.config.max_inflight_bytes
+        while self._queue:
+            q = self._queue[0]
+            room, dest = q.room, q.dest
+            if not room.active or dest.peer.phase is not PeerPhase.CONNECTED:
+                self._queue.popleft()
+                room.queued -= 1
+                continue
+            if self.inflight_bytes and self.inflight_bytes + q.nbytes > limit:
+                return
+            self._queue.popleft()
+            room.queued -= 1
+            post_id = next(self._post_ids)
+            self.posts[post_id] = (room, dest, q.nbytes)
+            room.posts.add(post_id)
+            dest.peer.posts.add(post_id)
+            self.inflight_bytes += q.nbytes
+            self.stats[f"{q.kind}_posts"] += 1
+            self.stats[f"{q.kind}_bytes"] += q.nbytes
+            timeout = self.config.xfer_deadline_base_s + q.nbytes / self.config.xfer_deadline_min_bytes_per_s
+            self._emit(Post(post_id, dest.peer.name, room.room, dest.epoch, q.kind, q.src, q.dst, q.nbytes, timeout))
+            if q.last_of_chunk:
+                self._emit(ChunkPosted(room, q.chunk))
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _status(self, peer: DecodePeer, room: int, epoch: int, ok: bool, reason: str) -> None:
+        if peer.phase is PeerPhase.CONNECTED and self.peers.get(peer.name) is peer:
+            self._emit(Send(peer.endpoint, Status(room, epoch, self.name, self.sender_rank, ok, reason)))
+
+    def _maybe_closed(self) -> None:
+        if self.closing and not self.closed and not self.posts and not self.retired:
+            self.closed = True
+            self._emit(Closed())
+
+    def _emit(self, action: Action) -> None:
+        self._out.append(action)
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self.stats[f"dropped_{reason}"] += 1
+        log.debug("dropped control message (%s): %s", reason, detail)
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def room_counts(self) -> dict[str, int]:
+        """Per-room table sizes; all zero once every room was cleared and settled."""
+        return {"senders": len(self.rooms), "draining_rooms": len(self.draining), "early_rooms": len(self.early),
+                "queued_writes": len(self._queue), "posts": len(self.posts), "inflight_bytes": self.inflight_bytes}
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Rooms by state and peers with their unfinished rooms: plain JSON types only."""
+        by_state = collections.Counter(room.poll().name for room in self.rooms.values())
+        per_peer: collections.Counter[str] = collections.Counter()
+        for room in self.rooms.values():
+            if room.active:
+                per_peer.update(d.peer.name for d in room.destinations.values())
+        peers = []
+        for peer in self.peers.values():
+            state = self.liveness.get(peer.name)
+            heard = None if state is None else now - state.last_seen
+            peers.append({"peer": peer.name, "endpoint": peer.endpoint, "session": peer.session,
+                          "phase": peer.phase.value, "last_heard_s_ago": heard,
+                          "alive": heard is not None and heard <= 2 * self.config.heartbeat_interval_s,
+                          "rooms": per_peer[peer.name]})
+        return {"mode": "prefill", "name": self.name, "rooms": dict(by_state), "peers": peers,
+                "tables": self.room_counts()}

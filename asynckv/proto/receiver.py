@@ -1,0 +1,100 @@
+"""Decode-side records: one ``ReceiverRoom`` per room, one ``Registration`` per prefill rank.
+
+These hold state only; every decision about them is made by ``DecodeCore``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import numpy.typing as npt
+
+from .bootstrap import PrefillRank
+from .states import RECEIVER_POLL, RECEIVER_TRANSITIONS, Event, KVPoll, ReceiverState, transition
+from .topology import TargetPlan
+
+__all__ = ["RankProgress", "ReceiverRoom", "Registration"]
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class RankProgress:
+    """What one prefill rank has done for one room."""
+
+    rank: PrefillRank
+    dummy: bool
+    sent: bool = False
+    """The room's destination went to this rank (it may write, unless it is a dummy)."""
+    done: bool = False
+    """It reported a terminal status: it writes nothing more into the room."""
+    fenced_at: float | None = None
+    """It was declared dead: none of its writes can land after this time."""
+
+    @property
+    def may_write(self) -> bool:
+        """Could still write into the room, as far as decode knows."""
+        return not self.dummy and self.sent and not self.done
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class ReceiverRoom:
+    """The decode side of one room."""
+
+    room: int
+    addr: str
+    epoch: int
+    state: ReceiverState = ReceiverState.CREATED
+    exception: BaseException | None = None
+    deadline: float | None = None
+    pages: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    aux_index: int = -1
+    state_indices: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    prefix_len: int = 0
+    initialized: bool = False
+    plan: TargetPlan | None = None
+    ranks: dict[str, RankProgress] = dataclasses.field(default_factory=dict)
+    """By prefill agent id (incarnation)."""
+    responses: set[int] = dataclasses.field(default_factory=set)
+    """Sender ranks that reported success."""
+    cleared: bool = False
+    started: float | None = None
+    finished: float | None = None
+
+    def poll(self) -> KVPoll:
+        return RECEIVER_POLL[self.state]
+
+    @property
+    def reason(self) -> str | None:
+        exc = self.exception
+        return None if exc is None else (str(exc) or type(exc).__name__)
+
+    @property
+    def active(self) -> bool:
+        """Not failed or failing, not succeeded."""
+        return self.state in (ReceiverState.CREATED, ReceiverState.RESOLVING, ReceiverState.WAITING)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in (ReceiverState.SUCCEEDED, ReceiverState.FAILED)
+
+    def move(self, event: Event) -> None:
+        self.state = transition(RECEIVER_TRANSITIONS, self.state, event)
+
+    def __repr__(self) -> str:
+        need = self.plan.required_responses if self.plan else "?"
+        return (f"<ReceiverRoom {self.room}#{self.epoch} {self.state.name} {len(self.responses)}/{need} senders "
+                f"from {self.addr}>")
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Registration:
+    """Decode's registration session with one prefill rank (incarnation)."""
+
+    rank: PrefillRank
+    addr: str
+    session: int
+    started: float
+    registered: bool = False
+    deadline: float | None = None
+    rooms: list[ReceiverRoom] = dataclasses.field(default_factory=list)
+    """Rooms waiting for this registration to complete."""

@@ -1,0 +1,123 @@
+"""Prefill-side records: one ``SenderRoom`` per room, one ``DecodePeer`` per registered decode rank.
+
+These hold state only; every decision about them is made by ``PrefillCore``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from .messages import Register, TransferInfo
+from .states import SENDER_POLL, SENDER_TRANSITIONS, Event, KVPoll, SenderState, transition
+from .topology import PeerPlan
+
+__all__ = ["DecodePeer", "Destination", "PeerPhase", "SenderRoom"]
+
+
+class PeerPhase(enum.Enum):
+    CONNECTING = "connecting"
+    """The data plane is importing its metadata and warming the connection up."""
+    CONNECTED = "connected"
+    DRAINING = "draining"
+    """Dropped: its rooms failed, its posts are being cancelled; goodbye once they settled."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class DecodePeer:
+    """Prefill's view of one registration session of one decode rank."""
+
+    reg: Register
+    plan: PeerPlan
+    num_pages: int
+    num_aux_rows: int
+    num_state_slots: int
+    lease_s: float
+    started: float
+    phase: PeerPhase = PeerPhase.CONNECTING
+    connecting: bool = True
+    """A ConnectPeer is outstanding (the data plane has not answered yet)."""
+    posts: set[int] = dataclasses.field(default_factory=set)
+    say_bye: bool = False
+    bye_reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.reg.decode_id
+
+    @property
+    def endpoint(self) -> str:
+        return self.reg.endpoint
+
+    @property
+    def session(self) -> int:
+        return self.reg.session
+
+    @classmethod
+    def from_register(cls, reg: Register, plan: PeerPlan, now: float, max_lease_s: float) -> DecodePeer:
+        pages = min((n // i for n, i in zip(reg.kv_lens, reg.kv_item_lens, strict=True)), default=0)
+        aux = min((n // i for n, i in zip(reg.aux_lens, reg.aux_item_lens, strict=True)), default=0)
+        state = min((n // i for n, i in zip(reg.state_lens, reg.state_item_lens, strict=True)), default=0)
+        return cls(reg, plan, pages, aux, state, min(reg.lease_ms / 1000, max_lease_s), now)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Destination:
+    """Where one decode rank wants a room written."""
+
+    info: TransferInfo
+    peer: DecodePeer
+
+    @property
+    def epoch(self) -> int:
+        return self.info.epoch
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class SenderRoom:
+    """The prefill side of one room."""
+
+    room: int
+    state: SenderState = SenderState.BOOTSTRAPPING
+    exception: BaseException | None = None
+    deadline: float | None = None
+    destinations: dict[str, Destination] = dataclasses.field(default_factory=dict)
+    required: int | None = None
+    """How many decode ranks send a destination (from their TransferInfo)."""
+    num_pages: int | None = None
+    aux_index: int = -1
+    cursor: int = 0
+    last_queued: bool = False
+    """The chunk that reaches ``num_pages`` was given."""
+    chunks: int = 0
+    queued: int = 0
+    """Writes waiting for the in-flight byte budget."""
+    posts: set[int] = dataclasses.field(default_factory=set)
+    """Writes handed to the data plane and not settled yet."""
+    cleared: bool = False
+    started: float | None = None
+    finished: float | None = None
+
+    def poll(self) -> KVPoll:
+        return SENDER_POLL[self.state]
+
+    @property
+    def reason(self) -> str | None:
+        exc = self.exception
+        return None if exc is None else (str(exc) or type(exc).__name__)
+
+    @property
+    def active(self) -> bool:
+        """Neither succeeded nor failed: it may still post."""
+        return self.state in (SenderState.BOOTSTRAPPING, SenderState.READY, SenderState.TRANSFERRING)
+
+    @property
+    def decode_prefix_len(self) -> int:
+        return max((d.info.decode_prefix_len for d in self.destinations.values()), default=0)
+
+    def move(self, event: Event) -> None:
+        self.state = transition(SENDER_TRANSITIONS, self.state, event)
+
+    def __repr__(self) -> str:
+        total = "?" if self.num_pages is None else self.num_pages
+        return f"<SenderRoom {self.room} {self.state.name} {self.cursor}/{total} pages, {len(self.posts)} posts>"
