@@ -52,6 +52,9 @@ class Config:
     """Longest sleep of an idle NIXL engine thread between progress rounds."""
     max_descs_per_xfer: int = 16384
     """Larger requests are split into several NIXL handles in flight together."""
+    xfer_handle_bytes: int = 64 * 2**20
+    """No NIXL handle writes more than this: the write lease is checked before each handle, so a
+    write that started just inside its lease lands soon after (64 MiB: ~13 ms at 5 GB/s)."""
     offload_min_descs: int = 65536
     """Descriptor math for at least this many (entry, page) rows runs on a worker thread."""
     xfer_deadline_base_s: float = 30.0
@@ -97,7 +100,7 @@ class Config:
             value = getattr(self, f.name)
             if f.name.endswith("_s") and not value > 0:
                 raise InvalidArgument(f"config {f.name} must be > 0, got {value!r}")
-        for name in ("register_attempts", "max_descs_per_xfer", "offload_min_descs",
+        for name in ("register_attempts", "max_descs_per_xfer", "xfer_handle_bytes", "offload_min_descs",
                      "max_rooms", "max_early_infos", "heartbeat_max_failures", "max_peers", "max_inflight_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"config {name} must be >= 1, got {getattr(self, name)!r}")

@@ -36,7 +36,6 @@ async def measure(rounds: int) -> list[float]:
                 samples.append(time.perf_counter() - t)
                 await receiver.abort("done")
                 receiver.clear()
-            p._forget_sender(i + 1)
     return samples
 
 

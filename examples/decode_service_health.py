@@ -12,7 +12,7 @@ import numpy as np
 from aiohttp import web
 
 from asynckv import KVArgs, KVManager, Mode
-from asynckv.service.metrics import add_ops_routes
+from asynckv.service.ops import add_ops_routes
 
 
 async def main() -> None:

@@ -7,8 +7,10 @@ the tests compare it with.
 from .pages import (
     aux_descriptors,
     coalesce_runs,
+    handle_bounds,
     kv_page_descriptors,
     prepped_indices,
+    split_long,
     validate_pages,
 )
 from .slicing import block_descriptors, head_slice_descriptors, merge_contiguous
@@ -19,7 +21,9 @@ __all__ = [
     "head_slice_descriptors",
     "merge_contiguous",
     "coalesce_runs",
+    "handle_bounds",
     "kv_page_descriptors",
     "prepped_indices",
+    "split_long",
     "validate_pages",
 ]

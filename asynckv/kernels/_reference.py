@@ -81,3 +81,28 @@ def merge_contiguous(
             out_s.append(s)
             out_d.append(d)
     return out_s, out_d
+
+
+def split_long(src: Sequence[tuple[int, int, int]], dst: Sequence[tuple[int, int, int]],
+               max_len: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    out_s, out_d = [], []
+    for (sa, n, sdev), (da, _, ddev) in zip(src, dst, strict=True):
+        off = 0
+        while off < n:
+            k = min(max_len, n - off)
+            out_s.append((sa + off, k, sdev))
+            out_d.append((da + off, k, ddev))
+            off += k
+    return out_s, out_d
+
+
+def handle_bounds(lengths: Sequence[int], max_descs: int, max_bytes: int) -> list[tuple[int, int]]:
+    bounds, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start >= max_descs or total + n > max_bytes):
+            bounds.append((start, i))
+            start, total = i, 0
+        total += n
+    if len(lengths):
+        bounds.append((start, len(lengths)))
+    return bounds

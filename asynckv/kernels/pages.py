@@ -18,8 +18,10 @@ from ..errors import InvalidArgument
 __all__ = [
     "aux_descriptors",
     "coalesce_runs",
+    "handle_bounds",
     "kv_page_descriptors",
     "prepped_indices",
+    "split_long",
     "validate_pages",
 ]
 
@@ -127,3 +129,43 @@ def aux_descriptors(
     src[:, 1] = items
     dst[:, 1] = items
     return src, dst
+
+
+def split_long(src: DescArray, dst: DescArray, max_len: int) -> tuple[DescArray, DescArray]:
+    """Cut every descriptor pair longer than ``max_len`` bytes into pieces of at most ``max_len``."""
+    if max_len < 1:
+        raise InvalidArgument(f"max_len must be >= 1, got {max_len}")
+    if len(src) == 0:
+        return src, dst
+    lens = src[:, 1].astype(np.int64)
+    parts = -(-lens // max_len)  # ceil
+    if not np.any(parts > 1):
+        return src, dst
+    row = np.repeat(np.arange(len(src)), parts)
+    first = np.repeat(np.cumsum(parts) - parts, parts)
+    offset = ((np.arange(len(row)) - first) * max_len).astype(np.uint64)
+    length = np.minimum(lens[row] - offset.astype(np.int64), max_len).astype(np.uint64)
+    out_s, out_d = src[row].copy(), dst[row].copy()
+    out_s[:, 0] += offset
+    out_d[:, 0] += offset
+    out_s[:, 1] = length
+    out_d[:, 1] = length
+    return out_s, out_d
+
+
+def handle_bounds(lengths: npt.NDArray[np.integer], max_descs: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Cut a row sequence into consecutive ``[start, end)`` groups of at most ``max_descs`` rows and
+    ``max_bytes`` bytes (a single longer row forms a group of its own)."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    cum = np.cumsum(lengths, dtype=np.int64)
+    bounds = []
+    start = 0
+    while start < n:
+        base = int(cum[start - 1]) if start else 0
+        end = int(np.searchsorted(cum, base + max_bytes, side="right"))
+        end = min(max(end, start + 1), start + max_descs, n)
+        bounds.append((start, end))
+        start = end
+    return bounds

@@ -149,6 +149,7 @@ class DecodeCore:
         self.closing = True
         for room in list(self.rooms.values()):
             self.fail(room, ClosedError("manager closed"), now)
+            self.clear_receiver(room, now)
         self._maybe_closed()
 
     # -- receiver API --------------------------------------------------------------------

@@ -221,6 +221,7 @@ class PrefillCore:
         self.closing = True
         for room in list(self.rooms.values()):
             self.fail(room, ClosedError("manager closed"), now)
+            self.clear_sender(room, now)
         self._blocked.clear()
         self.early.clear()  # nobody will create a sender here any more
         for peer in list(self.peers.values()):
@@ -547,7 +548,7 @@ class PrefillCore:
         self.drop_peer(peer, PeerUnreachable(f"peer {msg.sender_id[:8]} closed: {msg.reason}"), now,
                        say_bye=False, farewell=True)
 
-    def version_mismatch(self, msg_type: int, body: dict[str, Any] | None, reason: str) -> None:
+    def version_mismatch(self, msg_type: int, body: dict[str, Any] | None, reason: str, now: float) -> None:
         """A message in another protocol version: a registration is refused naming both versions."""
         body = body or {}
         endpoint, decode_id, session = body.get("endpoint"), body.get("decode_id"), body.get("session", 0)

@@ -1,4 +1,4 @@
-"""The thin asyncio layer: managers, senders, receivers and the bootstrap server."""
+"""The thin asyncio layer: managers, their pumps, senders, receivers and the bootstrap server."""
 
 from .bootstrap import BootstrapClient, BootstrapServer
 from .manager import KVManager, Mode

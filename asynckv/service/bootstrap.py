@@ -25,9 +25,9 @@ from ..errors import BootstrapTimeout, PeerUnreachable, RemoteProtocolError
 from ..proto.auth import AUTH_HEADER, Authenticator, AuthError
 from ..proto.bootstrap import PayloadError, PrefillRank, RankTable
 from ..proto.topology import PrefillInstance
-from .metrics import add_ops_routes
+from .ops import add_ops_routes, safe_check, serve
 
-__all__ = ["BootstrapClient", "BootstrapServer", "OpsServer", "split_addr"]
+__all__ = ["BootstrapClient", "BootstrapServer", "split_addr"]
 
 log = logging.getLogger("asynckv.bootstrap")
 
@@ -71,7 +71,7 @@ class BootstrapServer:
         app.router.add_route("DELETE", "/route", self._delete_route)
         app.router.add_route("GET", "/health", self._health)
         add_ops_routes(app)
-        self._runner, self.port = await _serve(app, self.host, self.port)
+        self._runner, self.port = await serve(app, self.host, self.port)
         log.info("bootstrap server listening on %s", self.addr)
         return self
 
@@ -146,64 +146,15 @@ class BootstrapServer:
         return web.json_response(self.table.route())
 
     async def _health(self, request: web.Request) -> web.Response:
-        failing = [name for name, check in self._health_checks.items() if not _safe(check)]
+        failing = [name for name, check in self._health_checks.items() if not safe_check(check)]
         body = {"status": "ok" if not failing else "failing", "failing": failing,
                 "registered": self.table.registered, "expected": self.table.expected,
                 "ready": self.table.ready}
         return web.json_response(body, status=200 if not failing else 503)
 
 
-class OpsServer:
-    """``/health``, ``/metrics`` and ``/peers`` of a manager that hosts no bootstrap server."""
-
-    def __init__(self, host: str, port: int, healthy: Callable[[], bool]) -> None:
-        self.host = host
-        self.port = port
-        self._healthy = healthy
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> OpsServer:
-        app = web.Application()
-        app.router.add_route("GET", "/health", self._health)
-        add_ops_routes(app)
-        self._runner, self.port = await _serve(app, self.host, self.port)
-        return self
-
-    @property
-    def addr(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    async def _health(self, request: web.Request) -> web.Response:
-        ok = _safe(self._healthy)
-        return web.json_response({"status": "ok" if ok else "failing"}, status=200 if ok else 503)
-
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-
-async def _serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start ``app`` on host:port (0: any free port); returns the runner and the bound port."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner, int(runner.addresses[0][1])
-
-
 class _Unauthorized(Exception):
     pass
-
-
-def _safe(check: Callable[[], bool]) -> bool:
-    try:
-        return bool(check())
-    except Exception:
-        return False
 
 
 class BootstrapClient:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of every KVManager in this process, and the ops HTTP routes.
+"""Prometheus metrics of every KVManager in this process.
 
 Counters and histograms are updated where things happen (a post settles, a room ends, a
 peer is first contacted); gauges (rooms by state, peers and their heartbeats, in-flight
@@ -12,20 +12,18 @@ where it matters, ``kind``, ``result`` and ``reason``. Series of gone peers are 
 from __future__ import annotations
 
 import collections
-import time
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from .manager import KVManager
 
-__all__ = ["REGISTRY", "add_ops_routes", "peers_view"]
+__all__ = ["REGISTRY", "forget_manager", "forget_peer", "managers", "register_manager"]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 """The registry ``/metrics`` serves (separate from prometheus_client's global one)."""
@@ -61,6 +59,10 @@ def register_manager(mgr: KVManager) -> None:
     _MANAGERS.add(mgr)
 
 
+def managers() -> list[KVManager]:
+    return list(_MANAGERS)
+
+
 def forget_manager(mgr: KVManager) -> None:
     _MANAGERS.discard(mgr)
     labels = {"mode": mgr.mode.value, "manager": mgr.name[:8]}
@@ -73,16 +75,16 @@ RETIRED_PEERS_KEPT = 64
 _retired: collections.deque[dict[str, str]] = collections.deque()
 
 
-def forget_peer(mgr: KVManager, peer: str) -> None:
-    """Retire a gone peer's series: the last ``RETIRED_PEERS_KEPT`` stay scrapable (a scrape
-    just after a peer left still sees its totals), older ones are removed so restarts do not
-    grow the label set forever."""
-    _retired.append({"mode": mgr.mode.value, "manager": mgr.name[:8], "peer": peer[:8]})
+def forget_peer(labels: tuple[str, str], peer: str) -> None:
+    """Retire a gone peer's series (``labels``: the manager's mode and name): the last
+    ``RETIRED_PEERS_KEPT`` stay scrapable (a scrape just after a peer left still sees its totals),
+    older ones are removed so restarts do not grow the label set forever."""
+    _retired.append({"mode": labels[0], "manager": labels[1], "peer": peer[:8]})
     while len(_retired) > RETIRED_PEERS_KEPT:
-        labels = _retired.popleft()
+        old = _retired.popleft()
         for metric in (TRANSFER_BYTES, TRANSFERS, TRANSFER_SECONDS, DESCRIPTORS, TRANSFER_FAILURES,
                        FIRST_CONTACT_SECONDS):
-            _remove_matching(metric, labels)
+            _remove_matching(metric, old)
 
 
 def _remove_matching(metric: Any, labels: dict[str, str]) -> None:
@@ -94,7 +96,7 @@ def _remove_matching(metric: Any, labels: dict[str, str]) -> None:
 
 
 class _LiveCollector(Collector):
-    """Gauges read from the live managers at scrape time."""
+    """Gauges read from the live managers' snapshots at scrape time."""
 
     def collect(self) -> Iterator[Any]:
         rooms = GaugeMetricFamily("asynckv_rooms", "Rooms by state", labels=["mode", "manager", "state"])
@@ -107,49 +109,22 @@ class _LiveCollector(Collector):
                                      labels=["mode", "manager"])
         dropped = CounterMetricFamily("asynckv_control_dropped", "Control messages dropped, by reason",
                                       labels=["mode", "manager", "reason"])
-        healthy = GaugeMetricFamily("asynckv_manager_healthy", "1 while reader, engine thread and heartbeats run",
+        healthy = GaugeMetricFamily("asynckv_manager_healthy", "1 while reader, engine thread and timers run",
                                     labels=["mode", "manager"])
-        now = time.monotonic()
-        for mgr in list(_MANAGERS):
+        for mgr in managers():
+            snap = mgr.snapshot()
             base = [mgr.mode.value, mgr.name[:8]]
-            for state, count in mgr.rooms_by_state().items():
-                rooms.add_metric([*base, state], count)
-            for peer in mgr.peers_snapshot():
+            for state in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success"):
+                rooms.add_metric([*base, state], snap["rooms"].get(state, 0))
+            for peer in snap["peers"]:
                 peer_up.add_metric([*base, peer["peer"][:8], peer["endpoint"]], 1.0 if peer["alive"] else 0.0)
-                heard.add_metric([*base, peer["peer"][:8]], max(0.0, now - peer["last_heard"]))
-            inflight.add_metric(base, mgr.room_counts()["inflight_bytes"])
-            for reason, count in mgr.dropped_messages().items():
+                if peer["last_heard_s_ago"] is not None:
+                    heard.add_metric([*base, peer["peer"][:8]], max(0.0, peer["last_heard_s_ago"]))
+            inflight.add_metric(base, snap["tables"].get("inflight_bytes", 0))
+            for reason, count in snap["dropped"].items():
                 dropped.add_metric([*base, reason], count)
-            healthy.add_metric(base, 1.0 if mgr.healthy else 0.0)
+            healthy.add_metric(base, 1.0 if snap["healthy"] else 0.0)
         yield from (rooms, peer_up, heard, inflight, dropped, healthy)
 
 
 REGISTRY.register(_LiveCollector())
-
-
-def peers_view() -> list[dict[str, Any]]:
-    """Every live manager's known peers (the ``/peers`` JSON)."""
-    now = time.monotonic()
-    out = []
-    for mgr in list(_MANAGERS):
-        for peer in mgr.peers_snapshot():
-            out.append({"manager": mgr.name, "mode": mgr.mode.value, "peer": peer["peer"],  # the incarnation
-                        "endpoint": peer["endpoint"], "state": "alive" if peer["alive"] else "late",
-                        "last_heartbeat_s_ago": round(max(0.0, now - peer["last_heard"]), 3),
-                        "inflight_rooms": peer["rooms"]})
-    return out
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(REGISTRY)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def _peers(request: web.Request) -> web.Response:
-    return web.json_response({"peers": peers_view()})
-
-
-def add_ops_routes(app: web.Application) -> None:
-    """``GET /metrics`` (Prometheus text) and ``GET /peers`` (JSON)."""
-    app.router.add_route("GET", "/metrics", _metrics)
-    app.router.add_route("GET", "/peers", _peers)

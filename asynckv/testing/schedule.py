@@ -414,7 +414,7 @@ def run_seed(seed: int, *, trace: bool = False, config: Config = SIM_CONFIG) -> 
     for spec in driver.rooms:
         if spec.probe:
             for side in spec.receivers:
-                if side.room is None or not side.room.terminal:
+                if not isinstance(side.room, ReceiverRoom) or not side.room.terminal:
                     world.violation(f"I5: probe room {spec.room_id} to {side.node} did not finish")
     driver.clear_all_and_close()
     world.run_until(world.now + world.config.fence_timeout_s + 4.0)

@@ -1,6 +1,9 @@
-"""The only modules that import nixl or zmq: the NIXL engine and the ZMQ control channel."""
+"""The only modules that import nixl or zmq: the NIXL data plane and the ZMQ control channel,
+behind the protocols of ``transport.base``."""
 
-from .control import ControlChannel, RateLimitedLog
-from .engine import NixlEngine, map_nixl_error
+from .base import ControlPlane, DataPlane, DescPiece, MemoryLayout, PreppedPiece, Write
+from .control import ControlChannel
+from .nixl import NixlDataPlane, map_nixl_error
 
-__all__ = ["ControlChannel", "NixlEngine", "RateLimitedLog", "map_nixl_error"]
+__all__ = ["ControlChannel", "ControlPlane", "DataPlane", "DescPiece", "MemoryLayout", "NixlDataPlane",
+           "PreppedPiece", "Write", "map_nixl_error"]

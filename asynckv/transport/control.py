@@ -1,4 +1,12 @@
-"""The ZMQ control channel: one PULL reader per manager, cached PUSH sockets per peer.
+"""The ZMQ control channel: one PULL reader per manager, one PUSH socket per peer endpoint.
+
+This module owns the ZMQ context and every socket. Two promises:
+
+- **order**: messages to one endpoint leave in the order ``send`` was called, whatever
+  path they take: a message goes straight to ZMQ only when nothing is waiting for that
+  endpoint, else it queues behind what is (one drain task per endpoint);
+- **nothing silently lost on close**: ``close`` waits (bounded) until each endpoint's
+  backlog is handed to ZMQ, then lets ZMQ linger so queued frames still reach connected peers.
 
 The reader never dies: every message is decoded and handled inside its own error
 boundary; a bad one is counted, logged (rate limited) and dropped.
@@ -8,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -15,7 +24,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError
+from ..errors import RemoteProtocolError
 from ..proto.auth import Authenticator, AuthError
 from ..proto.messages import Message, VersionMismatch, decode, encode
 
@@ -24,6 +33,8 @@ __all__ = ["ControlChannel", "RateLimitedLog"]
 log = logging.getLogger("asynckv.control")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+LINGER_MS = 1000
+"""How long ZMQ keeps trying to deliver queued frames after a socket is closed."""
 
 
 class RateLimitedLog:
@@ -50,33 +61,48 @@ class RateLimitedLog:
             self._window.clear()
 
 
-class ControlChannel:
-    """Receives control messages on one bound PULL socket and sends to peers' endpoints."""
+@dataclasses.dataclass(eq=False)
+class _Peer:
+    sock: zmq.asyncio.Socket
+    backlog: collections.deque[list[bytes]] = dataclasses.field(default_factory=collections.deque)
+    drain: asyncio.Task[None] | None = None
+    forgotten: bool = False
 
-    def __init__(self, ctx: zmq.asyncio.Context, host: str, on_message: Callable[[Message], None],
+
+class ControlChannel:
+    """Receives control messages on one bound PULL socket and sends to peers' endpoints, in order."""
+
+    def __init__(self, host: str, on_message: Callable[[Message], None],
                  on_version_mismatch: Callable[[VersionMismatch], None] | None = None,
                  send_timeout_s: float = 5.0, auth: Authenticator | None = None) -> None:
-        self._ctx = ctx
         self._host = host
         self._on_message = on_message
         self._on_version_mismatch = on_version_mismatch
         self._send_timeout_s = send_timeout_s
         self._auth = auth
+        self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
-        self._push: dict[str, zmq.asyncio.Socket] = {}
+        self._peers: dict[str, _Peer] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
         self.endpoint = ""
         self.received = 0
         self.dropped: collections.Counter[str] = collections.Counter()
+        self.send_failures = 0
         self._rl = RateLimitedLog(log)
 
     @property
     def reader_alive(self) -> bool:
         return self._reader is not None and not self._reader.done()
 
+    def stop_reader(self) -> None:
+        """Stop reading (tests simulate a dead reader with it; ``/health`` then fails)."""
+        if self._reader is not None:
+            self._reader.cancel()
+
     async def start(self) -> str:
         """Bind the PULL socket on a random port and start the reader; returns the endpoint."""
+        self._ctx = zmq.asyncio.Context()
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -143,61 +169,77 @@ class ControlChannel:
             self.dropped["handler"] += 1
             log.exception("control: handler failed for %s", type(msg).__name__)
 
-    def try_send(self, endpoint: str, msg: Message) -> bool:
-        """Queue ``msg`` without waiting; False if ZMQ's queue to that peer is full (or closed)."""
-        if self._closed:
-            return False
-        try:
-            zmq.Socket.send_multipart(self._socket(endpoint), self._frames(msg), flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:
-            return False
-        return True
+    # -- sending ---------------------------------------------------------------------------
 
-    def _frames(self, msg: Message) -> list[bytes]:
+    def send(self, endpoint: str, msg: Message) -> None:
+        """Queue ``msg`` for ``endpoint`` behind everything queued for it before; never blocks."""
+        if self._closed or self._ctx is None:
+            return
         frames = encode(msg)
         if self._auth is not None:
             frames = self._auth.seal(frames, time.time_ns())
-        return frames
+        peer = self._peer(endpoint)
+        if not peer.backlog:
+            try:
+                zmq.Socket.send_multipart(peer.sock, frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                self._failed(endpoint, type(msg).__name__, exc)
+                return
+        peer.backlog.append(frames)
+        if peer.drain is None:
+            peer.drain = asyncio.get_running_loop().create_task(self._drain(endpoint, peer),
+                                                                name="asynckv-control-drain")
 
-    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self._push.get(endpoint)
-        if sock is None:
+    def _peer(self, endpoint: str) -> _Peer:
+        peer = self._peers.get(endpoint)
+        if peer is None or peer.forgotten:
+            if self._ctx is None:
+                raise RuntimeError("control channel not started")
             sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.LINGER, LINGER_MS)
             sock.setsockopt(zmq.SNDHWM, 10000)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
-            self._push[endpoint] = sock
-        return sock
+            peer = self._peers[endpoint] = _Peer(sock)
+        return peer
 
-    async def send(self, endpoint: str, msg: Message) -> None:
-        """Send ``msg`` to a peer's endpoint; raises PeerUnreachable if ZMQ cannot take it in time."""
-        if self._closed:
-            raise ClosedError("control channel is closed")
-        sock = self._socket(endpoint)
-        frames = self._frames(msg)
+    async def _drain(self, endpoint: str, peer: _Peer) -> None:
+        """Hand the endpoint's backlog to ZMQ in order, waiting (bounded) while its queue is full."""
         try:
-            # Fast path: ZMQ queues the message at once unless the peer's queue is full; only
-            # then wait (bounded) for room. Saves a task and a timer per message.
-            zmq.Socket.send_multipart(sock, frames, flags=zmq.NOBLOCK, copy=False)
-            return
-        except zmq.Again:
-            pass
-        except zmq.ZMQError as exc:
-            raise PeerUnreachable(f"cannot send {type(msg).__name__} to {endpoint}: {exc!r}") from exc
-        try:
-            await asyncio.wait_for(sock.send_multipart(frames, copy=False), self._send_timeout_s)
-        except (TimeoutError, zmq.ZMQError) as exc:
-            raise PeerUnreachable(f"cannot send {type(msg).__name__} to {endpoint}: {exc!r}") from exc
+            while peer.backlog:
+                frames = peer.backlog[0]
+                try:
+                    await asyncio.wait_for(peer.sock.send_multipart(frames, copy=False), self._send_timeout_s)
+                except (TimeoutError, zmq.ZMQError) as exc:
+                    self._failed(endpoint, f"{len(peer.backlog)} queued messages", exc)
+                    peer.backlog.clear()
+                    break
+                peer.backlog.popleft()
+        finally:
+            peer.drain = None
+            if peer.forgotten:
+                peer.sock.close(linger=LINGER_MS)
+
+    def _failed(self, endpoint: str, what: str, exc: BaseException) -> None:
+        self.send_failures += 1
+        self.dropped["send_failed"] += 1
+        self._rl.warning("send", "control: could not send %s to %s: %r", what, endpoint, exc)
 
     def forget(self, endpoint: str) -> None:
-        """Close the cached PUSH socket of a peer that went away."""
-        sock = self._push.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
+        """Close the socket to a peer that went away, once what was queued for it left."""
+        peer = self._peers.pop(endpoint, None)
+        if peer is None:
+            return
+        peer.forgotten = True
+        if peer.drain is None:
+            peer.sock.close(linger=LINGER_MS)
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = 2.0) -> None:
+        """Stop reading, hand every backlog to ZMQ (at most ``flush_s``), close, terminate the context."""
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()
@@ -205,9 +247,17 @@ class ControlChannel:
                 await self._reader
             except (asyncio.CancelledError, Exception):
                 pass
-        for sock in self._push.values():
-            sock.close(linger=0)
-        self._push.clear()
+        drains = [p.drain for p in self._peers.values() if p.drain is not None]
+        if drains:
+            await asyncio.wait(drains, timeout=flush_s)
+            for task in drains:
+                task.cancel()
+        for peer in self._peers.values():
+            peer.sock.close(linger=LINGER_MS)
+        self._peers.clear()
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:  # term() waits for lingering frames: not on the event loop
+            await asyncio.get_running_loop().run_in_executor(None, ctx.term)

@@ -22,13 +22,12 @@ pytestmark = pytest.mark.integration
 
 async def test_unauthenticated_and_replayed_messages_are_refused_and_counted() -> None:
     async with make_pair(auth_token="s3cret") as pair:
-        control = pair.prefill._control
-        assert control is not None
+        control = pair.prefill.control
         ctx = zmq.asyncio.Context()
         push = ctx.socket(zmq.PUSH)
         push.connect(pair.prefill.endpoint)
         try:
-            ping = encode(Ping("intruder", "tcp://127.0.0.1:1", 1))
+            ping = encode(Ping("intruder", "tcp://127.0.0.1:1", 1, 1))
             await push.send_multipart(ping)  # no MAC
             await push.send_multipart(Authenticator("guess").seal(ping, time.time_ns()))  # wrong secret
             sealed = Authenticator("s3cret").seal(ping, time.time_ns())
@@ -78,4 +77,4 @@ async def test_a_decode_without_the_secret_cannot_use_the_prefill() -> None:
             receiver = intruder.receiver(pair.addr, 9)
             assert await receiver.init([1]) == KVPoll.Failed
             assert "did not answer registration" in (receiver.failure_reason or "")
-        assert pair.prefill._control is not None and pair.prefill._control.dropped["auth_missing"] >= 1
+        assert pair.prefill.control.dropped["auth_missing"] >= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
 
 import numpy as np
@@ -21,6 +22,7 @@ from asynckv.proto.messages import (
     encode,
 )
 
+from ..proto.samples import SAMPLES
 from .conftest import make_pair, transfer_room
 
 pytestmark = pytest.mark.integration
@@ -111,8 +113,7 @@ async def test_protocol_version_mismatch_is_refused_naming_both_versions() -> No
         push = ctx.socket(zmq.PUSH)
         push.connect(pair.prefill.endpoint)
         try:
-            reg = pair.decode._register_message(pair.prefill.name)
-            frames = encode(Register(**{**{f: getattr(reg, f) for f, _ in Register.SCHEMA}, "endpoint": endpoint}))
+            frames = encode(dataclasses.replace(SAMPLES["register"], prefill_id=pair.prefill.name, endpoint=endpoint))
             frames[0] = struct.pack("<4sHH", MAGIC, PROTOCOL_VERSION + 1, Register.TYPE)
             await push.send_multipart(frames)
             reply = decode(await asyncio.wait_for(pull.recv_multipart(), 5))
@@ -135,8 +136,7 @@ async def test_garbage_is_dropped_counted_and_the_reader_lives_on() -> None:
                        [struct.pack("<4sHH", MAGIC, PROTOCOL_VERSION, 77), b"{}"]]
             for frames in garbage * 20:
                 await push.send_multipart(frames)
-            control = pair.prefill._control
-            assert control is not None
+            control = pair.prefill.control
             for _ in range(500):
                 if sum(control.dropped.values()) >= 100:
                     break
@@ -153,10 +153,10 @@ async def test_out_of_range_destination_from_a_peer_fails_the_room_before_any_wr
     async with make_pair() as pair:
         assert await transfer_room(pair, 29, [0], [0]) == (KVPoll.Success, KVPoll.Success)  # registers decode
         sender = pair.prefill.sender(30)
-        bad = TransferInfo(30, pair.decode.name, pair.prefill.name, -1, 1, False, True, 0,
+        bad = TransferInfo(30, 1, pair.decode.name, pair.prefill.name, -1, 1, False, True, 0,
                            np.array([3, 64], dtype=np.int32),
                            np.empty(0, dtype=np.int32))
-        await pair.decode.send_control(pair.prefill.endpoint, bad)
+        pair.decode.send_control(pair.prefill.endpoint, bad)
         assert await sender.wait(5) == KVPoll.Failed
         assert "decode destination pages: index 64 outside the registered range [0, 64)" in (
             sender.failure_reason or "")

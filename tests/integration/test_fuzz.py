@@ -71,13 +71,13 @@ async def test_fuzzing_the_control_plane_and_the_bootstrap_server() -> None:
                     await push.send_multipart(frames)
                     sent[name] += 1
             for _ in range(1000):
-                controls = [m._control for m in (pair.prefill, pair.decode)]
-                if all(c is not None and c.received >= 5000 for c in controls):
+                controls = [m.control for m in (pair.prefill, pair.decode)]
+                if all(c.received >= 5000 for c in controls):
                     break
                 await asyncio.sleep(0.01)
             for name, mgr in (("prefill", pair.prefill), ("decode", pair.decode)):
-                control = mgr._control
-                assert control is not None and control.reader_alive and mgr.healthy
+                control = mgr.control
+                assert control.reader_alive and mgr.healthy
                 assert control.received == sent[name] == 5000
                 # every message is either dropped by the reader or decoded and then handled (or dropped) by the manager
                 assert accounted(control) + decodable[name] == sent[name], (control.dropped, decodable)

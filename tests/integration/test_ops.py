@@ -69,9 +69,7 @@ async def test_health_fails_when_the_reader_dies() -> None:
     async with make_pair(ops_port=0) as pair, aiohttp.ClientSession() as http:
         async with http.get(f"http://{pair.addr}/health") as resp:
             assert resp.status == 200
-        control = pair.prefill._control
-        assert control is not None and control._reader is not None
-        control._reader.cancel()  # a reader that died, as the reference connector's did
+        pair.prefill.control.stop_reader()  # a reader that died, as the reference connector's did
         await asyncio.sleep(0.05)
         async with http.get(f"http://{pair.addr}/health") as resp:
             body = await resp.json()
@@ -82,14 +80,11 @@ async def test_health_fails_when_the_reader_dies() -> None:
 
 
 def test_gone_peers_series_are_kept_for_recent_peers_then_removed() -> None:
-    import types
-
     from asynckv.service import metrics
 
-    mgr = types.SimpleNamespace(mode=types.SimpleNamespace(value="prefill"), name="feedbeef-test")
     peers = [f"p{i:07d}" for i in range(metrics.RETIRED_PEERS_KEPT + 10)]
     for peer in peers:
         metrics.TRANSFER_BYTES.labels("prefill", "feedbeef", peer, "kv").inc(1)
-        metrics.forget_peer(mgr, peer)  # type: ignore[arg-type]
+        metrics.forget_peer(("prefill", "feedbeef"), peer)
     kept = {values[2] for values in metrics.TRANSFER_BYTES._metrics if values[1] == "feedbeef"}
     assert kept == set(peers[10:])

@@ -122,9 +122,9 @@ async def test_sigkill_decode_fails_prefill_senders_and_releases_everything() ->
             for s in senders:
                 s.clear()
             await asyncio.sleep(0.1)
-            assert p._peers == {} and p._engine.posts_in_flight == 0
-            assert p.room_counts() == {"senders": 0, "receivers": 0, "early_rooms": 0, "registrations_pending": 0,
-                                       "inflight_bytes": 0}
+            snap = p.snapshot()
+            assert snap["peers"] == [] and p.data_plane.posts_in_flight == 0
+            assert all(v == 0 for v in snap["tables"].values()), snap["tables"]
 
 
 async def test_a_restarted_prefill_on_the_same_address_serves_the_next_rooms() -> None:

@@ -10,8 +10,10 @@ from asynckv.kernels import _reference as ref
 from asynckv.kernels import (
     aux_descriptors,
     coalesce_runs,
+    handle_bounds,
     kv_page_descriptors,
     prepped_indices,
+    split_long,
     validate_pages,
 )
 
@@ -134,3 +136,24 @@ def test_aux_descriptors() -> None:
                            np.array([64, 32], dtype=np.uint64), 2, 5)
     assert s.tolist() == [[1128, 64, 0], [2064, 32, 0]]
     assert d.tolist() == [[5320, 64, 0], [6160, 32, 0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**40), st.integers(1, 5000)), max_size=30), st.integers(1, 700))
+def test_split_long_matches_the_reference(rows: list[tuple[int, int]], max_len: int) -> None:
+    src = np.array([(a, n, 1) for a, n in rows], dtype=np.uint64).reshape(-1, 3)
+    dst = np.array([(a + 7, n, 2) for a, n in rows], dtype=np.uint64).reshape(-1, 3)
+    out_s, out_d = split_long(src, dst, max_len)
+    want_s, want_d = ref.split_long([tuple(map(int, r)) for r in src], [tuple(map(int, r)) for r in dst],
+                                           max_len)
+    assert [tuple(map(int, r)) for r in out_s] == want_s and [tuple(map(int, r)) for r in out_d] == want_d
+    assert int(out_s[:, 1].sum()) == sum(n for _, n in rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 1000), max_size=60), st.integers(1, 9), st.integers(1, 3000))
+def test_handle_bounds_match_the_reference(lengths: list[int], max_descs: int, max_bytes: int) -> None:
+    got = handle_bounds(np.array(lengths, dtype=np.int64), max_descs, max_bytes)
+    assert got == ref.handle_bounds(lengths, max_descs, max_bytes)
+    for start, end in got:
+        assert end - start <= max_descs and (end - start == 1 or sum(lengths[start:end]) <= max_bytes)

@@ -59,7 +59,7 @@ def test_transfer_info_pages_are_little_endian_int32() -> None:
     assert frames[2] == np.array([7, 3, 4, 5, 0], dtype="<i4").tobytes()
     assert frames[3] == np.array([11], dtype="<i4").tobytes()
     assert json.loads(frames[1]) == {"aux_index": 3, "decode_id": "0b6f3a52-decode", "required_dst_info_num": 1,
-                                     "prefill_id": "9c1e-prefill",
+                                     "prefill_id": "9c1e-prefill", "epoch": 77,
                                      "room": 2**63 - 1, "is_dummy": False, "write_aux": True,
                                      "decode_prefix_len": 32}
 

@@ -2,8 +2,21 @@ from __future__ import annotations
 
 import pytest
 
-from asynckv.errors import Aborted, LocalProtocolError
-from asynckv.proto.states import TRANSITIONS, Event, KVPoll, RoomState, Side
+from asynckv.errors import LocalProtocolError
+from asynckv.proto.states import (
+    RECEIVER_POLL,
+    RECEIVER_TRANSITIONS,
+    SENDER_POLL,
+    SENDER_TRANSITIONS,
+    Event,
+    KVPoll,
+    ReceiverState,
+    SenderState,
+    mermaid_diagram,
+    transition,
+)
+
+TABLES = [("sender", SENDER_TRANSITIONS, SENDER_POLL), ("receiver", RECEIVER_TRANSITIONS, RECEIVER_POLL)]
 
 
 def test_kvpoll_keeps_the_reference_values_for_min_reduction() -> None:
@@ -12,52 +25,54 @@ def test_kvpoll_keeps_the_reference_values_for_min_reduction() -> None:
 
 
 def test_sender_happy_path() -> None:
-    room = RoomState(Side.SENDER)
-    assert room.apply(Event.DESTINATION_RECEIVED) and room.state == KVPoll.WaitingForInput
-    assert room.apply(Event.CHUNK_POSTED) and room.state == KVPoll.Transferring
-    assert not room.apply(Event.CHUNK_POSTED)  # more chunks: same state
-    assert room.apply(Event.TRANSFER_COMPLETED) and room.state == KVPoll.Success and room.done
+    state = SenderState.BOOTSTRAPPING
+    for event, want in ((Event.DESTINATIONS_KNOWN, SenderState.READY), (Event.CHUNK_QUEUED, SenderState.TRANSFERRING),
+                        (Event.CHUNK_QUEUED, SenderState.TRANSFERRING), (Event.WRITES_LANDED, SenderState.SUCCEEDED)):
+        state = transition(SENDER_TRANSITIONS, state, event)
+        assert state is want
+    assert SENDER_POLL[state] is KVPoll.Success
 
 
-def test_receiver_happy_path() -> None:
-    room = RoomState(Side.RECEIVER)
-    room.apply(Event.DESTINATION_SENT)
-    room.apply(Event.TRANSFER_COMPLETED)
-    assert room.state == KVPoll.Success
+def test_a_sender_failing_with_writes_in_flight_drains_and_already_polls_failed() -> None:
+    state = transition(SENDER_TRANSITIONS, SenderState.TRANSFERRING, Event.FAILED_WRITES_IN_FLIGHT)
+    assert state is SenderState.DRAINING and SENDER_POLL[state] is KVPoll.Failed
+    assert transition(SENDER_TRANSITIONS, state, Event.WRITES_SETTLED) is SenderState.FAILED
+    with pytest.raises(LocalProtocolError):  # a draining room posts nothing new
+        transition(SENDER_TRANSITIONS, state, Event.CHUNK_QUEUED)
 
 
-def test_failed_is_sticky_and_keeps_the_first_reason() -> None:
-    room = RoomState(Side.SENDER)
-    assert room.fail(Aborted("first"))
-    assert not room.fail(Aborted("second"))
-    assert not room.apply(Event.DESTINATION_RECEIVED)
-    assert room.state == KVPoll.Failed and room.reason == "first"
-    assert isinstance(room.exception, Aborted)
+def test_a_fencing_receiver_never_polls_failed_before_it_is_fenced() -> None:
+    state = transition(RECEIVER_TRANSITIONS, ReceiverState.WAITING, Event.FAILED_MAY_BE_WRITTEN)
+    assert state is ReceiverState.FENCING and RECEIVER_POLL[state] is KVPoll.Transferring
+    assert transition(RECEIVER_TRANSITIONS, state, Event.FENCED) is ReceiverState.FAILED
+    with pytest.raises(LocalProtocolError):  # a late success cannot un-fail it
+        transition(RECEIVER_TRANSITIONS, state, Event.SENDERS_SUCCEEDED)
 
 
-def test_success_cannot_be_failed_afterwards() -> None:
-    room = RoomState(Side.RECEIVER)
-    room.apply(Event.DESTINATION_SENT)
-    room.apply(Event.TRANSFER_COMPLETED)
-    assert not room.fail(Aborted("late"))
-    assert room.state == KVPoll.Success and room.reason is None
+@pytest.mark.parametrize("name, table, poll", TABLES)
+def test_terminal_states_are_sticky_and_every_live_state_can_fail(name: str, table: dict, poll: dict) -> None:
+    for state, moves in table.items():
+        if poll[state] in (KVPoll.Success, KVPoll.Failed) and state not in (SenderState.DRAINING,):
+            assert not moves or state is ReceiverState.FENCING, f"{name} {state} is terminal but has moves"
+        elif state not in (SenderState.DRAINING, ReceiverState.FENCING):
+            assert Event.FAILED in moves, f"{name} {state} cannot fail"
 
 
-@pytest.mark.parametrize("side, state, event", [
-    (side, state, event)
-    for side, table in TRANSITIONS.items()
-    for state, moves in table.items() if state not in (KVPoll.Success, KVPoll.Failed)
-    for event in Event if event not in moves
-])
-def test_transitions_missing_from_the_table_are_local_errors(side: Side, state: KVPoll, event: Event) -> None:
-    room = RoomState(side)
-    room.state = state
-    with pytest.raises(LocalProtocolError, match=event.value):
-        room.apply(event)
+@pytest.mark.parametrize("name, table, poll", TABLES)
+def test_every_state_has_a_poll_value_and_is_reachable(name: str, table: dict, poll: dict) -> None:
+    assert set(poll) == set(table)
+    reached, frontier = set(), [next(iter(table))]
+    while frontier:
+        state = frontier.pop()
+        reached.add(state)
+        frontier += [s for s in table[state].values() if s not in reached]
+    assert reached == set(table), f"{name}: unreachable {set(table) - reached}"
 
 
-def test_every_nonterminal_state_can_fail() -> None:
-    for table in TRANSITIONS.values():
+def test_the_diagram_shows_every_move() -> None:
+    text = mermaid_diagram()
+    for side, table, _ in TABLES:
         for state, moves in table.items():
-            if state not in (KVPoll.Success, KVPoll.Failed):
-                assert moves[Event.FAILED] == KVPoll.Failed
+            for event, new in moves.items():
+                if new != state:
+                    assert f"{side}_{state.name} --> {side}_{new.name}: {event.value}" in text

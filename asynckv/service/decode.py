@@ -1,0 +1,80 @@
+"""The decode pump: runs a ``DecodeCore``'s actions (topology look-ups, receivers' futures)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Config
+from ..errors import AsyncKVError
+from ..proto import actions as act
+from ..proto.decode import DecodeCore
+from ..proto.receiver import ReceiverRoom
+from ..proto.topology import PrefillInstance, check_compatible
+from ..transport.base import ControlPlane
+from .bootstrap import BootstrapClient
+from .pump import Pump
+from .receiver import KVReceiver
+
+__all__ = ["DecodeService"]
+
+
+class DecodeService(Pump):
+    mode = "decode"
+
+    def __init__(self, core: DecodeCore, control: ControlPlane, http: BootstrapClient, config: Config,
+                 labels: tuple[str, str], clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(core, control, labels, clock)
+        self.core: DecodeCore = core
+        self.http = http
+        self.config = config
+        self.views: dict[ReceiverRoom, KVReceiver] = {}
+        self.handlers.update({act.FetchTopology: self._on_fetch, act.InitDone: self._on_init_done,
+                              act.Finished: self._on_finished})
+
+    def open(self, addr: str, room: int) -> KVReceiver:
+        receiver = KVReceiver(self, self.feed("open_receiver", addr, room), addr)
+        self.views[receiver.state] = receiver
+        return receiver
+
+    def forget_view(self, receiver: KVReceiver) -> None:
+        self.views.pop(receiver.state, None)
+
+    async def instance(self, addr: str) -> PrefillInstance:
+        """The topology of the prefill at ``addr`` (fetched once, then cached by the core)."""
+        cached = self.core.instance(addr)
+        if cached is not None:
+            return cached
+        instance = await self.http.fetch_instance(addr, self.config.handshake_timeout_s)
+        a = self.core.kv_args
+        check_compatible(instance, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
+        self.feed("topology_fetched", addr, instance)
+        return instance
+
+    def _on_fetch(self, a: act.FetchTopology) -> None:
+        self.spawn(self._fetch(a.addr), f"asynckv-route-{a.addr}")
+
+    async def _fetch(self, addr: str) -> None:
+        try:
+            result: PrefillInstance | BaseException = await self.http.fetch_instance(
+                addr, self.config.handshake_timeout_s)
+        except AsyncKVError as exc:
+            result = exc
+        self.feed("topology_fetched", addr, result)
+
+    def _on_init_done(self, a: act.InitDone) -> None:
+        view = self.views.get(a.room)
+        if view is not None:
+            view.init_done()
+
+    def _on_finished(self, a: act.Finished) -> None:
+        room = a.room
+        if isinstance(room, ReceiverRoom):
+            self.room_finished(room, room.addr)
+            view = self.views.get(room)
+            if view is not None:
+                view.finished()
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.core.snapshot(self.clock())

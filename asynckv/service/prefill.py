@@ -1,0 +1,179 @@
+"""The prefill pump: runs a ``PrefillCore``'s actions against the data plane and the senders."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Config
+from ..errors import AsyncKVError
+from ..proto import actions as act
+from ..proto.prefill import PrefillCore
+from ..proto.sender import DecodePeer, SenderRoom
+from ..transport.base import ControlPlane, DataPlane, Write
+from . import metrics
+from .pump import Pump
+from .sender import KVSender
+from .writes import WriteBuilder
+
+__all__ = ["PrefillService"]
+
+log = logging.getLogger("asynckv.prefill")
+
+
+class PrefillService(Pump):
+    mode = "prefill"
+
+    def __init__(self, core: PrefillCore, control: ControlPlane, data: DataPlane, builder: WriteBuilder,
+                 config: Config, labels: tuple[str, str], clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(core, control, labels, clock)
+        self.core: PrefillCore = core
+        self.data = data
+        self.builder = builder
+        self.config = config
+        self.views: dict[SenderRoom, KVSender] = {}
+        self._building: dict[int, BaseException | None] = {}
+        """Posts whose descriptors are being built off the loop (-> the cancel that came meanwhile)."""
+        self._posted: dict[int, tuple[str, str, int, float]] = {}
+        """post id -> (peer, kind, bytes, monotonic time handed to the data plane), for metrics."""
+        data.on_settled = self._on_settled
+        self.handlers.update({
+            act.Post: self._on_post, act.CancelPosts: self._on_cancel, act.SetLease: self._on_lease,
+            act.ConnectPeer: self._on_connect, act.DisconnectPeer: self._on_disconnect,
+            act.RoomReady: self._on_ready, act.ChunkPosted: self._on_chunk, act.Finished: self._on_finished,
+        })
+
+    def use_data_plane(self, data: DataPlane) -> None:
+        self.data = data
+        data.on_settled = self._on_settled
+
+    def open(self, room: int) -> KVSender:
+        sender = KVSender(self, self.feed("open_sender", room))
+        self.views[sender.state] = sender
+        return sender
+
+    def forget_view(self, sender: KVSender) -> None:
+        self.views.pop(sender.state, None)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def _on_post(self, a: act.Post) -> None:
+        if self.builder.rows_estimate(a) < self.config.offload_min_descs:
+            try:
+                write = self.builder.build(a)
+            except Exception as exc:
+                self.feed("post_settled", a.post_id, exc)
+                return
+            self._submit(a, write)
+            return
+        self._building[a.post_id] = None  # large: its descriptor math runs on a worker thread
+        self.spawn(self._build_off_loop(a), "asynckv-build")
+
+    async def _build_off_loop(self, a: act.Post) -> None:
+        try:
+            write: Write | None = await asyncio.to_thread(self.builder.build, a)
+            error: BaseException | None = None
+        except Exception as exc:
+            write, error = None, exc
+        cancelled = self._building.pop(a.post_id, None)
+        if cancelled is not None or write is None:  # cancelled while it was being built: never posted
+            self.feed("post_settled", a.post_id, cancelled or error)
+            return
+        self._submit(a, write)
+
+    def _submit(self, a: act.Post, write: Write) -> None:
+        self._posted[a.post_id] = (a.peer, a.kind, write.nbytes, self.clock())
+        metrics.DESCRIPTORS.labels(*self.labels, a.peer[:8]).observe(write.descriptors)
+        self.data.post(a.post_id, a.peer, write, a.timeout_s)
+
+    def _on_cancel(self, a: act.CancelPosts) -> None:
+        handed = []
+        for post_id in a.post_ids:
+            if post_id in self._building:
+                self._building[post_id] = a.reason
+            else:
+                handed.append(post_id)
+        if handed:
+            self.data.cancel(handed, a.reason)
+
+    def _on_settled(self, batch: list[tuple[int, BaseException | None]]) -> None:
+        now = self.clock()
+        for post_id, error in batch:
+            info = self._posted.pop(post_id, None)
+            if info is None:
+                continue
+            peer, kind, nbytes, started = info
+            labels = (*self.labels, peer[:8])
+            if error is None:
+                metrics.TRANSFER_SECONDS.labels(*labels).observe(now - started)
+                metrics.TRANSFER_BYTES.labels(*labels, kind).inc(nbytes)
+                metrics.TRANSFERS.labels(*labels, kind).inc()
+            else:
+                metrics.TRANSFER_FAILURES.labels(*labels, type(error).__name__).inc()
+        self.feed_each("post_settled", batch)
+
+    def _on_lease(self, a: act.SetLease) -> None:
+        self.data.set_lease(a.peer, a.until)
+
+    # -- peers ---------------------------------------------------------------------------
+
+    def _on_connect(self, a: act.ConnectPeer) -> None:
+        self.spawn(self._connect(a.peer), f"asynckv-connect-{a.peer.name[:8]}")
+
+    async def _connect(self, peer: DecodePeer) -> None:
+        """Import the peer, prepare its destination (off the loop), and warm the connection up."""
+        reg = peer.reg
+        try:
+            rows = await asyncio.to_thread(self.builder.add_peer, peer)
+            await self.data.connect_peer(peer.name, reg.agent_metadata, rows, reg.mem_kind)
+            try:
+                await self.data.warm_up(peer.name, (reg.scratch_ptr, reg.scratch_len),
+                                        self.config.handshake_timeout_s)
+            except BaseException:
+                self.data.forget_peer(peer.name)
+                raise
+        except Exception as exc:  # any failure refuses this peer; it never kills the manager
+            if not isinstance(exc, AsyncKVError):
+                log.exception("setting up decode peer %s failed", peer.name[:8])
+            self.builder.remove_peer(peer.name)
+            self.feed("peer_connected", peer, exc)
+            return
+        self.feed("peer_connected", peer, None)
+
+    def _on_disconnect(self, a: act.DisconnectPeer) -> None:
+        self.builder.remove_peer(a.peer)
+        self.data.forget_peer(a.peer)
+
+    # -- rooms ---------------------------------------------------------------------------
+
+    def _view(self, room: SenderRoom) -> KVSender | None:
+        return self.views.get(room)
+
+    def _on_ready(self, a: act.RoomReady) -> None:
+        view = self._view(a.room)
+        if view is not None:
+            view.ready_changed()
+
+    def _on_chunk(self, a: act.ChunkPosted) -> None:
+        view = self._view(a.room)
+        if view is not None:
+            view.chunk_posted(a.chunk)
+
+    def _on_finished(self, a: act.Finished) -> None:
+        room = a.room
+        if isinstance(room, SenderRoom):
+            peer = next(iter(room.destinations), "")[:8]
+            self.room_finished(room, peer)
+            view = self._view(room)
+            if view is not None:
+                view.finished()
+
+    # -- introspection -------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self.core.snapshot(self.clock())
+        snap["tables"]["building"] = len(self._building)
+        return snap

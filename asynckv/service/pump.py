@@ -1,0 +1,158 @@
+"""The pump: feeds one sans-IO core, runs the actions it returns, re-arms its one timer.
+
+Nothing here decides anything about a room; every rule lives in ``asynckv.proto``. The
+pump only turns events into core calls (with ``now`` from its clock) and actions into I/O.
+Actions run strictly in the order the core produced them, even when running one feeds the
+core again (that feed's actions queue behind the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from ..proto import actions as act
+from ..transport.base import ControlPlane
+from . import metrics
+
+__all__ = ["Pump"]
+
+log = logging.getLogger("asynckv.pump")
+
+
+class Pump:
+    """Base of the prefill and decode services (one per ``KVManager``)."""
+
+    mode = ""
+
+    def __init__(self, core: Any, control: ControlPlane, labels: tuple[str, str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.core = core
+        self.control = control
+        self.clock = clock
+        self.labels = labels
+        """(mode, manager) metric labels."""
+        self.loop = asyncio.get_running_loop()
+        self._pending: collections.deque[act.Action] = collections.deque()
+        self._flushing = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closed: asyncio.Future[None] = self.loop.create_future()
+        self.handlers: dict[type[act.Action], Callable[[Any], None]] = {
+            act.Send: self._on_send, act.ForgetEndpoint: self._on_forget_endpoint, act.PeerUp: self._on_peer_up,
+            act.PeerDown: self._on_peer_down, act.Closed: self._on_closed,
+        }
+
+    # -- feeding ---------------------------------------------------------------------------
+
+    def feed(self, method: str, *args: Any) -> Any:
+        """Call ``core.<method>(*args, now)`` and run the actions it produced."""
+        result = getattr(self.core, method)(*args, self.clock())
+        self._run()
+        return result
+
+    def feed_each(self, method: str, calls: list[tuple[Any, ...]]) -> None:
+        """Several calls of one method, then their actions (one flush for a batch of events)."""
+        fn = getattr(self.core, method)
+        now = self.clock()
+        for args in calls:
+            fn(*args, now)
+        self._run()
+
+    def _run(self) -> None:
+        self._pending.extend(self.core.actions())
+        if self._flushing:
+            return  # the outer run takes them, after what it already had
+        self._flushing = True
+        try:
+            while self._pending:
+                action = self._pending.popleft()
+                try:
+                    self.handlers[type(action)](action)
+                except Exception:
+                    log.exception("%s: running %s failed", self.mode, type(action).__name__)
+                self._pending.extend(self.core.actions())
+        finally:
+            self._flushing = False
+        self._rearm()
+
+    def _rearm(self) -> None:
+        when = self.core.get_timer()
+        if when == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = when
+        if when is not None:
+            self._timer = self.loop.call_later(max(0.0, when - self.clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.feed("handle_timer")
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    @property
+    def tasks(self) -> int:
+        return len(self._tasks)
+
+    async def close(self, timeout_s: float) -> None:
+        """Ask the core to close and wait (at most ``timeout_s``) until it says every write settled."""
+        self.feed("close")
+        try:
+            await asyncio.wait_for(asyncio.shield(self.closed), timeout_s)
+        except TimeoutError:
+            log.warning("%s: close did not settle within %.1fs; closing anyway", self.mode, timeout_s)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- common actions ------------------------------------------------------------------
+
+    def _on_send(self, a: act.Send) -> None:
+        self.control.send(a.endpoint, a.msg)
+
+    def _on_forget_endpoint(self, a: act.ForgetEndpoint) -> None:
+        self.control.forget(a.endpoint)
+
+    def _on_peer_up(self, a: act.PeerUp) -> None:
+        metrics.FIRST_CONTACT_SECONDS.labels(*self.labels, a.peer[:8]).observe(a.seconds)
+
+    def _on_peer_down(self, a: act.PeerDown) -> None:
+        log.log(logging.INFO if a.farewell else logging.WARNING, "%s: %s", self.mode, a.error)
+        metrics.PEERS_DEAD.labels(*self.labels, type(a.error).__name__).inc()
+        metrics.forget_peer(self.labels, a.peer)
+
+    def _on_closed(self, a: act.Closed) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def room_finished(self, room: Any, peer: str) -> None:
+        """Metrics of a room whose outcome was decided."""
+        result = room.poll().name.lower()
+        reason = "" if room.exception is None else type(room.exception).__name__
+        metrics.ROOMS_FINISHED.labels(*self.labels, result, reason).inc()
+        if room.started is not None and room.finished is not None:
+            metrics.ROOM_SECONDS.labels(*self.labels, peer, result).observe(room.finished - room.started)

@@ -1,0 +1,173 @@
+"""Turn a core's ``Post`` (pages to pages) into a data-plane ``Write`` (handles of descriptors).
+
+Pure numpy over the kernels; safe on a worker thread. Each handle is bounded by
+``max_descs_per_xfer`` descriptors and ``xfer_handle_bytes`` bytes, so the data plane can
+check the write lease between handles and no single copy runs long.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import numpy.typing as npt
+
+from ..config import Config
+from ..kernels import (
+    aux_descriptors,
+    block_descriptors,
+    handle_bounds,
+    head_slice_descriptors,
+    kv_page_descriptors,
+    prepped_indices,
+    split_long,
+)
+from ..layout import KVArgs
+from ..proto.actions import Post
+from ..proto.sender import DecodePeer
+from ..proto.topology import PeerPlan
+from ..transport.base import DescPiece, MemoryLayout, PreppedPiece, Write
+
+__all__ = ["SCRATCH_BYTES", "WriteBuilder", "dlist_rows"]
+
+U64 = npt.NDArray[np.uint64]
+SCRATCH_BYTES = 4096
+
+
+def dlist_rows(ptrs: U64, strides: U64, lengths: U64, num_pages: int, dev: int) -> U64:
+    """One row per (entry, page), entry-major, as ``prepped_indices`` addresses them."""
+    pages = np.arange(num_pages, dtype=np.uint64)
+    rows = np.empty((len(ptrs) * num_pages, 3), dtype=np.uint64)
+    rows[:, 0] = (ptrs[:, None] + strides[:, None] * pages[None, :]).ravel()
+    rows[:, 1] = np.repeat(lengths, num_pages)
+    rows[:, 2] = dev
+    return rows
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Peer:
+    """A decode peer's geometry, as numpy arrays."""
+
+    plan: PeerPlan
+    mem_kind: str
+    dev: int
+    num_pages: int
+    kv_ptrs: U64
+    kv_items: U64
+    aux_ptrs: U64
+    state_ptrs: U64
+    state_items: U64
+    prepped: bool
+
+
+class WriteBuilder:
+    """Descriptor math of one prefill rank towards its decode peers."""
+
+    def __init__(self, kv_args: KVArgs, config: Config) -> None:
+        a = self.args = kv_args
+        self.config = config
+        self.dev = a.gpu_id if a.mem_kind == "VRAM" else 0
+        self.kv_ptrs, _, self.kv_items = a.kv_arrays()
+        self.aux_ptrs = np.asarray(a.aux_data_ptrs, dtype=np.uint64)
+        self.aux_items = np.asarray(a.aux_item_lens, dtype=np.uint64)
+        self.state_ptrs = np.asarray(a.state_data_ptrs, dtype=np.uint64)
+        self.state_items = np.asarray(a.state_item_lens, dtype=np.uint64)
+        self._peers: dict[str, _Peer] = {}
+
+    def memory_layout(self, scratch: tuple[int, int], prepare_local: bool) -> MemoryLayout:
+        """KV and state in the rank's memory kind; aux and the scratch area in DRAM."""
+        a = self.args
+        kv = np.array([[int(p), int(n), self.dev] for p, n in zip(
+            [*a.kv_data_ptrs, *a.state_data_ptrs], [*a.kv_data_lens, *a.state_data_lens], strict=True)],
+            dtype=np.uint64).reshape(-1, 3)
+        dram = np.array([*([int(p), int(n), 0] for p, n in zip(a.aux_data_ptrs, a.aux_data_lens, strict=True)),
+                         [scratch[0], scratch[1], 0]], dtype=np.uint64).reshape(-1, 3)
+        local = dlist_rows(self.kv_ptrs, self.kv_items, self.kv_items, a.num_pages, self.dev) \
+            if prepare_local and self.config.prepped_dlists else None
+        return MemoryLayout(((a.mem_kind, kv), ("DRAM", dram)), local, a.mem_kind, scratch)
+
+    # -- peers --------------------------------------------------------------------------
+
+    def add_peer(self, peer: DecodePeer) -> U64 | None:
+        """Record a peer's geometry; returns its destination dlist rows when prepared dlists apply
+        (one row per (entry, page): millions for a large pool, so call this off the event loop)."""
+        reg = peer.reg
+        geom = _Peer(plan=peer.plan, mem_kind=reg.mem_kind, dev=reg.gpu_id if reg.mem_kind == "VRAM" else 0,
+                     num_pages=peer.num_pages, kv_ptrs=np.asarray(reg.kv_ptrs, dtype=np.uint64),
+                     kv_items=np.asarray(reg.kv_item_lens, dtype=np.uint64),
+                     aux_ptrs=np.asarray(reg.aux_ptrs, dtype=np.uint64),
+                     state_ptrs=np.asarray(reg.state_ptrs, dtype=np.uint64),
+                     state_items=np.asarray(reg.state_item_lens, dtype=np.uint64),
+                     prepped=self.config.prepped_dlists and peer.plan.whole_pages)
+        self._peers[peer.name] = geom
+        if not geom.prepped:
+            return None
+        dst = peer.plan.dst_entries  # paired with local entries 0..n-1 in order
+        return dlist_rows(geom.kv_ptrs[dst], geom.kv_items[dst], self.kv_items, geom.num_pages, geom.dev)
+
+    def remove_peer(self, name: str) -> None:
+        self._peers.pop(name, None)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def rows_estimate(self, post: Post) -> int:
+        """Descriptor rows the build makes before merging (what decides whether to offload it)."""
+        geom = self._peers.get(post.peer)
+        per_page = self.args.page_size if geom is not None and geom.plan.head_slice is not None else 1
+        entries = len(self.kv_ptrs) if post.kind == "kv" else max(1, len(self.state_ptrs))
+        return len(post.src) * entries * per_page
+
+    def build(self, post: Post) -> Write:
+        geom = self._peers.get(post.peer)
+        if geom is None:
+            raise KeyError(f"decode peer {post.peer[:8]} is not connected")
+        if post.kind == "kv" and geom.prepped:
+            a = self.args
+            src_idx = prepped_indices(post.src, a.num_pages, a.num_entries)
+            dst_idx = prepped_indices(post.dst, geom.num_pages, a.num_entries)
+            per = max(1, min(self.config.max_descs_per_xfer,
+                             self.config.xfer_handle_bytes // max(1, int(self.kv_items.max()))))
+            pieces = tuple(PreppedPiece(src_idx[i:i + per], dst_idx[i:i + per]) for i in range(0, len(src_idx), per))
+            nbytes = len(post.src) * int(self.kv_items.sum())
+            return Write(pieces, len(src_idx), nbytes)
+        if post.kind == "kv":
+            src, dst = self._kv_descs(geom, post)
+        elif post.kind == "aux":
+            src, dst = aux_descriptors(self.aux_ptrs, geom.aux_ptrs, self.aux_items, int(post.src[0]),
+                                       int(post.dst[0]))
+            return self._pieces(src, dst, "DRAM", "DRAM")
+        else:
+            src, dst = self._state_descs(geom, post)
+        return self._pieces(src, dst, self.args.mem_kind, geom.mem_kind)
+
+    def _pieces(self, src: U64, dst: U64, src_kind: str, dst_kind: str) -> Write:
+        cfg = self.config
+        src, dst = split_long(src, dst, cfg.xfer_handle_bytes)
+        bounds = handle_bounds(src[:, 1], cfg.max_descs_per_xfer, cfg.xfer_handle_bytes)
+        pieces = tuple(DescPiece(src[i:j], dst[i:j], src_kind, dst_kind) for i, j in bounds)
+        return Write(pieces, len(src), int(src[:, 1].sum()) if len(src) else 0)
+
+    def _kv_descs(self, geom: _Peer, post: Post) -> tuple[U64, U64]:
+        plan = geom.plan
+        args = (self.kv_ptrs[plan.src_entries], geom.kv_ptrs[plan.dst_entries], self.kv_items[plan.src_entries],
+                geom.kv_items[plan.dst_entries])
+        if plan.head_slice is None:
+            return kv_page_descriptors(*args, post.src, post.dst, self.dev, geom.dev)
+        hs = plan.head_slice
+        return head_slice_descriptors(*args, self.args.page_size, post.src, post.dst, hs.src_offs, hs.dst_offs,
+                                      hs.nbytes, self.dev, geom.dev)
+
+    def _state_descs(self, geom: _Peer, post: Post) -> tuple[U64, U64]:
+        plan = geom.plan.state
+        if plan is None:
+            raise KeyError("this peer takes no state")
+        sp, si = self.state_ptrs[plan.src_entries], self.state_items[plan.src_entries]
+        dp, di = geom.state_ptrs[plan.dst_entries], geom.state_items[plan.dst_entries]
+        if plan.kind == "blocks" and plan.blocks is not None:
+            return block_descriptors(sp, dp, si, di, int(post.src[0]), int(post.dst[0]), *plan.blocks, self.dev,
+                                     geom.dev)
+        if plan.kind == "head_slice" and plan.head_slice is not None:
+            hs = plan.head_slice
+            return head_slice_descriptors(sp, dp, si, di, self.args.page_size, post.src, post.dst, hs.src_offs,
+                                          hs.dst_offs, hs.nbytes, self.dev, geom.dev)
+        return kv_page_descriptors(sp, dp, si, di, post.src, post.dst, self.dev, geom.dev)
