@@ -412,8 +412,12 @@ class DecodeCore:
 
     def _heartbeat(self, now: float) -> None:
         cfg = self.config
+        stalled = now - self._next_beat > cfg.heartbeat_interval_s
         self._next_beat = now + cfg.heartbeat_interval_s
-        for state in self.liveness.expired(now):  # (no grant without hearing it: its leases ran out already)
+        # A tick that is itself late means this process was stalled: read what queued up before
+        # blaming peers for a silence it caused (the next tick checks). No grant without hearing a
+        # peer, so a silent one's leases ran out already.
+        for state in [] if stalled else self.liveness.expired(now):
             self.declare_dead(state.peer_id, PeerUnreachable(
                 f"peer {state.peer_id[:8]} at {state.endpoint} unheard for {now - state.last_seen:.1f}s "
                 f"(heartbeat every {cfg.heartbeat_interval_s:g}s, {cfg.heartbeat_max_failures} misses allowed)"), now,
@@ -505,7 +509,7 @@ class DecodeCore:
         per_peer: collections.Counter[str] = collections.Counter()
         for room in self.rooms.values():
             if not room.terminal:
-                per_peer.update(room.ranks)
+                per_peer.update(list(room.ranks))  # (a mapping would add its values)
         peers = []
         for prefill_id, reg in self.registrations.items():
             state = self.liveness.get(prefill_id)

@@ -347,11 +347,9 @@ class PrefillCore:
         self.retired[peer] = None
         self.stats["peers_dead"] += 1
         self._emit(PeerDown(peer.name, error, farewell))
-        for room in [*self.rooms.values(), *self.draining]:
+        for room in [*self.rooms.values(), *self.draining]:  # (a failed room's posts are cancelled already)
             if any(d.peer is peer for d in room.destinations.values()):
                 self.fail(room, error, now)
-        if peer.posts:  # posts of rooms that were already draining
-            self._emit(CancelPosts(tuple(sorted(peer.posts)), error))
         if not peer.connecting:
             self._emit(DisconnectPeer(peer.name))
         self._peer_progress(peer)
@@ -373,8 +371,11 @@ class PrefillCore:
 
     def _heartbeat(self, now: float) -> None:
         cfg = self.config
+        stalled = now - self._next_beat > cfg.heartbeat_interval_s
         self._next_beat = now + cfg.heartbeat_interval_s
-        for state in self.liveness.expired(now):
+        # A tick that is itself late means this process was stalled: read what queued up before
+        # blaming peers for a silence it caused (the next tick checks).
+        for state in [] if stalled else self.liveness.expired(now):
             peer = self.peers.get(state.peer_id)
             if peer is not None and peer.session == state.session:
                 self.drop_peer(peer, PeerUnreachable(

@@ -68,6 +68,12 @@ class FaultMix:
     """Probability that a write never completes (only cancellation, its lease or deadline end it)."""
     post_slow: float = 0.0
     connect_fail: float = 0.0
+    post_ms: tuple[float, float] = (0.2, 4.0)
+    """How long a write takes (plus its bytes at 5 GB/s)."""
+    connect_ms: tuple[float, float] = (5.0, 30.0)
+    """How long importing a peer and the warm-up write take."""
+    route_ms: tuple[float, float] = (0.5, 5.0)
+    """How long a topology look-up (``GET /route``) takes."""
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
@@ -159,6 +165,10 @@ class World:
         self.trace: list[str] = []
         self.violations: list[str] = []
         self.on_action: Callable[[SimNode, act.Action], None] = lambda node, action: None
+        self.hold: Callable[[SimNode, str, Message], float | None] | None = None
+        """Scripted interleavings: return None to drop a message, or extra seconds to hold it."""
+        self.record: list[tuple[float, str, act.Action]] | None = None
+        """When a list, every action is appended as (time, node name, action)."""
         self.steps = 0
 
     # -- building ----------------------------------------------------------------------
@@ -304,7 +314,7 @@ class World:
             node.leases[a.peer] = a.until
         elif isinstance(a, act.ConnectPeer):
             ok = not (self.faults_on and self.rng.random() < self.mix.connect_fail)
-            self.on(node, self.now + self.rng.uniform(0.005, 0.03), self._connected, node, a.peer, ok)
+            self.on(node, self.now + self.rng.uniform(*self.mix.connect_ms) / 1000, self._connected, node, a.peer, ok)
         elif isinstance(a, act.DisconnectPeer):
             node.connected.discard(a.peer)
             node.leases.pop(a.peer, None)
@@ -312,10 +322,12 @@ class World:
                 if post.action.peer == a.peer:
                     self._cancel(post, PeerUnreachable("peer forgotten"))
         elif isinstance(a, act.FetchTopology):
-            self.on(node, self.now + self.rng.uniform(0.0005, 0.005), self._topology, node, a.addr)
+            self.on(node, self.now + self.rng.uniform(*self.mix.route_ms) / 1000, self._topology, node, a.addr)
         elif isinstance(a, act.Closed):
             node.closed = True
         self.log(f"{node} {type(a).__name__} {_short(a)}")
+        if self.record is not None:
+            self.record.append((self.now, node.name, a))
         self.on_action(node, a)
 
     def _arm_timer(self, node: SimNode) -> None:
@@ -345,6 +357,12 @@ class World:
         delay = rng.uniform(*mix.delay_ms) / 1000
         if self.faults_on and rng.random() < mix.spike:
             delay += rng.uniform(0.1, 0.8)
+        if self.hold is not None:
+            extra = self.hold(node, endpoint, msg)
+            if extra is None:
+                self.log(f"dropped {type(msg).__name__} {node} -> {endpoint}")
+                return
+            delay += extra
         key = (node.endpoint, endpoint)
         when = max(self._fifo.get(key, 0.0), self.now + delay)  # one socket: in order
         self._fifo[key] = when
@@ -372,7 +390,7 @@ class World:
         post = node.posts[a.post_id] = SimPost(node, a)
         rng, mix, on = self.rng, self.mix, self.faults_on
         self.on(node, self.now + a.timeout_s, self._deadline, post)
-        total = rng.uniform(0.0002, 0.004) + a.nbytes / 5e9
+        total = rng.uniform(*mix.post_ms) / 1000 + a.nbytes / 5e9
         if on and rng.random() < mix.post_slow:
             total += rng.uniform(0.2, 3.0)
         post.units = max(len(a.dst), int(total / MAX_UNIT_S) + 1)

@@ -93,13 +93,23 @@ class _Forget:
 _Command = _Call | _Post | _Cancel | _Forget | None
 
 
+def _nixl_agent(name: str, backend: str) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[backend])
+    return nixl_agent(name, cfg)
+
+
 class NixlDataPlane:
     """A NIXL agent plus the thread that owns it (implements ``transport.base.DataPlane``)."""
 
     def __init__(self, name: str, *, backend: str = "UCX", idle_poll_s: float = 0.001, deep_idle_s: float = 0.01,
-                 expecting: Callable[[], bool] | None = None) -> None:
+                 expecting: Callable[[], bool] | None = None,
+                 agent_factory: Callable[[str, str], Any] | None = None) -> None:
         self.name = name
         self._backend = backend
+        self._agent_factory = agent_factory or _nixl_agent
+        """(name, backend) -> agent, called on the engine thread (tests pass a recording fake)."""
         self._idle_poll_s = idle_poll_s
         self._deep_idle_s = max(deep_idle_s, idle_poll_s)
         self._expecting = expecting
@@ -217,10 +227,7 @@ class NixlDataPlane:
         if loop is None:
             return
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
-
-            cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[self._backend])
-            self._agent = nixl_agent(self.name, cfg)
+            self._agent = self._agent_factory(self.name, self._backend)
         except BaseException as exc:
             err = TransportError(f"cannot create NIXL agent ({self._backend}): {exc}")
             err.__cause__ = exc

@@ -1,0 +1,188 @@
+"""The NIXL data plane's own sequences, against a recording fake agent (no NIXL needed).
+
+The fake raises on a double release or on any use of a released handle, the failure mode
+behind the `free(): double free detected` crash seen when a peer was dropped and the
+manager closed while a write to it was in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asynckv.errors import PeerUnreachable, TransferTimeout
+from asynckv.transport.base import DescPiece, MemoryLayout, PreppedPiece, Write
+from asynckv.transport.nixl import NixlDataPlane
+
+
+class FakeAgent:
+    """Records every call; handles stay PROC until ``finish`` is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.live: set[int] = set()
+        self.released: set[int] = set()
+        self.finish = False
+        self.copy_s = 0.0
+        """How long transfer() blocks (a CMA copy happens inside the call)."""
+        self._next = 0
+
+    def _new(self, kind: str) -> int:
+        self._next += 1
+        self.live.add(self._next)
+        self.calls.append((kind, self._next))
+        return self._next
+
+    def _use(self, what: str, h: int) -> None:
+        if h in self.released or h not in self.live:
+            raise AssertionError(f"{what} on released handle {h}")
+
+    def register_memory(self, rows: Any, kind: str) -> int:
+        return self._new("register_memory")
+
+    def deregister_memory(self, h: int) -> None:
+        self._release("deregister_memory", h)
+
+    def prep_xfer_dlist(self, peer: str, rows: Any, kind: str) -> int:
+        return self._new(f"prep_xfer_dlist {peer or 'local'}")
+
+    def release_dlist_handle(self, h: int) -> None:
+        self._release("release_dlist_handle", h)
+
+    def get_agent_metadata(self) -> bytes:
+        return b"meta"
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.calls.append(("add_remote_agent", metadata))
+        return metadata
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.calls.append(("remove_remote_agent", name))
+
+    def make_prepped_xfer(self, op: str, local: int, src: Any, remote: int, dst: Any) -> int:
+        self._use("make_prepped_xfer", local)
+        self._use("make_prepped_xfer", remote)
+        return self._new("make_prepped_xfer")
+
+    def get_xfer_descs(self, rows: Any, kind: str) -> Any:
+        return rows
+
+    def initialize_xfer(self, op: str, src: Any, dst: Any, peer: str) -> int:
+        return self._new("initialize_xfer")
+
+    def transfer(self, h: int) -> str:
+        self._use("transfer", h)
+        time.sleep(self.copy_s)
+        return "DONE" if self.finish else "PROC"
+
+    def check_xfer_state(self, h: int) -> str:
+        self._use("check_xfer_state", h)
+        return "DONE" if self.finish else "PROC"
+
+    def release_xfer_handle(self, h: int) -> None:
+        self._release("release_xfer_handle", h)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def _release(self, what: str, h: int) -> None:
+        if h in self.released:
+            raise AssertionError(f"double {what} of {h}")
+        self._use(what, h)
+        self.released.add(h)
+        self.calls.append((what, h))
+
+
+def rows(n: int) -> np.ndarray:
+    return np.array([[0x1000 * (i + 1), 64, 0] for i in range(n)], dtype=np.uint64)
+
+
+def prepped(n: int = 2) -> Write:
+    return Write((PreppedPiece(np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32)),), n, 64 * n)
+
+
+async def started(agent: FakeAgent) -> tuple[NixlDataPlane, list[tuple[int, BaseException | None]]]:
+    plane = NixlDataPlane("me", agent_factory=lambda name, backend: agent)
+    settled: list[tuple[int, BaseException | None]] = []
+    plane.on_settled = settled.extend
+    await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
+    await plane.connect_peer("peer", b"peer", rows(4), "DRAM")
+    plane.set_lease("peer", time.monotonic() + 60)
+    return plane, settled
+
+
+async def until(cond: Any, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+async def test_forgetting_a_peer_with_a_write_in_flight_then_closing_releases_each_thing_once_in_order() -> None:
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    plane.post(1, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 1)
+    plane.forget_peer("peer")
+    await until(lambda: settled)
+    assert settled[0][0] == 1 and isinstance(settled[0][1], PeerUnreachable)
+    await plane.close()
+    names = [c[0] for c in agent.calls]
+    xfer = names.index("make_prepped_xfer")
+    assert names[xfer:] == ["make_prepped_xfer", "release_xfer_handle", "release_dlist_handle",
+                            "remove_remote_agent", "release_dlist_handle", "deregister_memory"]
+    assert agent.live == agent.released  # everything made was released, nothing twice (the fake checks)
+
+
+@pytest.mark.parametrize("repeat", range(3))
+async def test_closing_with_writes_in_flight_releases_them_before_the_dlists_and_memory(repeat: int) -> None:
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    for post_id in range(1, 4):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 3)
+    await plane.close()
+    names = [c[0] for c in agent.calls]
+    last_xfer_release = max(i for i, n in enumerate(names) if n == "release_xfer_handle")
+    assert last_xfer_release < names.index("release_dlist_handle") < names.index("deregister_memory")
+    assert sorted(p for p, _ in settled) == [1, 2, 3] and agent.live == agent.released
+
+
+async def test_a_cancelled_write_never_starts_and_a_lapsed_lease_stops_one_in_flight() -> None:
+    agent = FakeAgent()
+    agent.finish, agent.copy_s = True, 0.2
+    plane, settled = await started(agent)
+    plane.post(6, "peer", prepped(), 30.0)  # the engine copies this one for 200 ms
+    await asyncio.sleep(0.05)
+    plane.post(7, "peer", prepped(), 30.0)  # queued behind it...
+    plane.cancel([7], TransferTimeout("cancelled while queued"))  # ...and cancelled before the engine gets to it
+    await until(lambda: len(settled) == 2)
+    assert settled == [(6, None), (7, settled[1][1])] and "cancelled while queued" in str(settled[1][1])
+    assert sum(n == "make_prepped_xfer" for n, _ in agent.calls) == 1  # 7 never made a handle
+    agent.finish, agent.copy_s = False, 0.0
+    plane.post(8, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 1)
+    plane.set_lease("peer", time.monotonic() - 1)  # the lease ran out while it was in flight
+    await until(lambda: len(settled) == 3)
+    assert settled[2][0] == 8 and "write lease" in str(settled[2][1])
+    plane.post(9, "peer", prepped(), 30.0)  # and no new handle starts without a lease
+    await until(lambda: len(settled) == 4)
+    assert "write lease" in str(settled[3][1]) and sum(n == "make_prepped_xfer" for n, _ in agent.calls) == 2
+    await plane.close()
+    assert agent.live == agent.released
+
+
+async def test_each_handle_of_a_write_checks_the_lease_before_it_starts() -> None:
+    agent = FakeAgent()
+    agent.finish = True  # CMA-like: every handle completes inside transfer()
+    plane, settled = await started(agent)
+    pieces = tuple(DescPiece(rows(1), rows(1), "DRAM", "DRAM") for _ in range(3))
+    plane.post(1, "peer", Write(pieces, 3, 192), 30.0)
+    await until(lambda: settled)
+    assert settled == [(1, None)] and sum(n == "initialize_xfer" for n, _ in agent.calls) == 3
+    await plane.close()
