@@ -20,10 +20,8 @@ The fencing rules it keeps:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,7 +33,6 @@ from ..errors import (
     InvalidArgument,
     LayoutMismatch,
     LocalProtocolError,
-    PeerRestarted,
     PeerUnreachable,
     RemoteProtocolError,
     TransferFailed,
@@ -43,14 +40,12 @@ from ..errors import (
 )
 from ..kernels import validate_pages
 from ..layout import KVArgs
-from .actions import Action, Closed, FetchTopology, Finished, ForgetEndpoint, InitDone, PeerDown, PeerUp, Send
-from .bootstrap import PrefillRank
-from .liveness import Liveness
-from .messages import MAX_ROOM, Abort, Bye, Message, Ping, Pong, Register, RegisterResult, Status, TransferInfo
-from .prefill import check_int
+from .actions import Closed, FetchTopology, Finished, InitDone, Send
+from .core import check_int
+from .decode_peers import RegistrationRules
+from .messages import MAX_ROOM, Abort, Bye, Ping, Pong, Register, RegisterResult, Status, TransferInfo
 from .receiver import RankProgress, ReceiverRoom, Registration
 from .states import Event, ReceiverState
-from .timers import Deadlines
 from .topology import PrefillInstance, TargetPlan, check_compatible, plan_targets
 
 __all__ = ["DecodeCore"]
@@ -58,14 +53,14 @@ __all__ = ["DecodeCore"]
 log = logging.getLogger("asynckv.decode")
 
 
-class DecodeCore:
-    """The decode side of one rank (see the module docstring)."""
+class DecodeCore(RegistrationRules):
+    """The decode side of one rank (see the module docstring). Rooms and their messages are here;
+    registration sessions, liveness and lease grants in ``decode_peers``."""
+
+    mode = "decode"
 
     def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config, register: Register) -> None:
-        self.name = name
-        self.endpoint = endpoint
-        self.kv_args = kv_args
-        self.config = config
+        super().__init__(name, endpoint, kv_args, config)
         self._register = register
         """This rank's Register, sent with prefill_id, session and lease filled in per registration."""
         self.rooms: dict[int, ReceiverRoom] = {}
@@ -75,33 +70,14 @@ class DecodeCore:
         self.instances: dict[str, PrefillInstance] = {}
         self.fetching: dict[str, list[ReceiverRoom]] = {}
         self._plans: dict[tuple[str, int], tuple[PrefillInstance, TargetPlan]] = {}
-        self.liveness = Liveness(config.heartbeat_interval_s, config.heartbeat_max_failures)
-        self.deadlines = Deadlines()
         self._epochs = itertools.count(1)
         self._sessions = itertools.count(1)
-        self._next_beat = 0.0
-        self.closing = False
-        self.closed = False
-        self.stats: collections.Counter[str] = collections.Counter()
-        self._out: list[Action] = []
-        self._handlers: dict[type[Message], Callable[[Any, float], None]] = {
+        self._handlers.update({
             RegisterResult: self._on_register_result, Status: self._on_status, Ping: self._on_ping,
             Pong: self._on_pong, Bye: self._on_bye,
-        }
+        })
 
     # -- the surface the pump drives ---------------------------------------------------
-
-    def actions(self) -> list[Action]:
-        out, self._out = self._out, []
-        return out
-
-    def receive(self, msg: Message, now: float) -> None:
-        self.stats[f"msg_{type(msg).__name__}"] += 1
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            self._drop("unexpected", f"decode got {type(msg).__name__}")
-            return
-        handler(msg, now)
 
     def get_timer(self) -> float | None:
         times = [t for t in (self.deadlines.next(), self._next_beat if len(self.liveness) else None) if t is not None]
@@ -117,7 +93,7 @@ class DecodeCore:
                 self.fail(owner, WaitingTimeout(
                     f"room {owner.room}: no result from prefill {owner.addr} after "
                     f"{self.config.waiting_timeout_s:.1f}s in {owner.poll().name}"), now)
-        if len(self.liveness) and now >= self._next_beat:
+        if self._beat_due(now):
             self._heartbeat(now)
 
     def topology_fetched(self, addr: str, result: PrefillInstance | BaseException, now: float) -> None:
@@ -313,118 +289,6 @@ class DecodeCore:
         self._emit(Finished(room))
         self._maybe_closed()
 
-    # -- registration and peers -----------------------------------------------------------
-
-    def _ensure_registration(self, rank: PrefillRank, addr: str, now: float) -> Registration:
-        reg = self.registrations.get(rank.agent_id)
-        if reg is not None:
-            return reg
-        reg = self.registrations[rank.agent_id] = Registration(rank, addr, next(self._sessions), now)
-        self.deadlines.arm(reg, now + self.config.handshake_timeout_s)
-        self._emit(Send(rank.endpoint, dataclasses.replace(
-            self._register, prefill_id=rank.agent_id, session=reg.session,
-            lease_ms=int(self.liveness.lease_s * 1000))))
-        return reg
-
-    def _registration_timeout(self, reg: Registration, now: float) -> None:
-        if reg.registered or self.registrations.get(reg.rank.agent_id) is not reg:
-            return
-        del self.registrations[reg.rank.agent_id]
-        self.instances.pop(reg.addr, None)  # it may have restarted: look the instance up again next time
-        exc = PeerUnreachable(f"prefill rank tp={reg.rank.tp_rank} at {reg.rank.endpoint} did not answer "
-                              f"registration within {self.config.handshake_timeout_s:.1f}s")
-        for room in reg.rooms:
-            self.fail(room, exc, now)
-
-    def _on_register_result(self, msg: RegisterResult, now: float) -> None:
-        reg = self.registrations.get(msg.prefill_id)
-        if msg.decode_id != self.name or reg is None or reg.session != msg.session or reg.registered:
-            self._drop("stale", f"registration result from {msg.prefill_id[:8]}")
-            return
-        self.deadlines.arm(reg, None)
-        rooms, reg.rooms = reg.rooms, []
-        if msg.ok:
-            reg.registered = True
-            self.liveness.add(msg.prefill_id, reg.rank.endpoint, reg.session, now)  # grants the first lease
-            self._emit(PeerUp(msg.prefill_id, now - reg.started))
-            for room in rooms:
-                self._maybe_send_destination(room, now)
-            return
-        del self.registrations[msg.prefill_id]
-        self.instances.pop(reg.addr, None)  # look the instance (maybe a new incarnation) up on the next room
-        exc: BaseException
-        if msg.reason.startswith("prefill restarted"):
-            exc = PeerRestarted(msg.reason)
-        else:
-            exc = LayoutMismatch(f"prefill refused registration: {msg.reason}")
-        for room in rooms:
-            self.fail(room, exc, now)
-
-    def declare_dead(self, peer_id: str, error: BaseException, now: float, *, fenced_at: float | None = None,
-                     farewell: bool = False) -> None:
-        """Stop working with a prefill incarnation: fail exactly the rooms it still owes something to.
-
-        Its writes are taken to end at ``fenced_at`` (a goodbye promises that), else when every lease
-        granted to it has run out."""
-        state = self.liveness.remove(peer_id)
-        reg = self.registrations.pop(peer_id, None)
-        if fenced_at is None:
-            fenced_at = max(now, state.fence_time) if state is not None else now
-        if reg is not None:
-            self.deadlines.arm(reg, None)
-            self.instances.pop(reg.addr, None)  # a new incarnation behind that address is looked up afresh
-            for room in reg.rooms:
-                self.fail(room, error, now)
-        for room in [*self.rooms.values(), *self.fencing.values()]:
-            prog = room.ranks.get(peer_id)
-            if prog is None or prog.done or prog.fenced_at is not None:
-                continue
-            prog.fenced_at = fenced_at
-            if room.active:
-                self.fail(room, error, now)
-            else:
-                self._maybe_fenced(room, now)
-        if reg is None:
-            return
-        log.log(logging.INFO if farewell else logging.WARNING, "decode: %s", error)
-        self.stats["peers_dead"] += 1
-        self._emit(PeerDown(peer_id, error, farewell))
-        if not farewell:  # if it is alive after all, it must stop writing and forget this session
-            self._emit(Send(reg.rank.endpoint, Bye(self.name, reg.session, f"declared dead: {error}")))
-        self._emit(ForgetEndpoint(reg.rank.endpoint))
-
-    def _stale(self, instance: PrefillInstance, now: float) -> bool:
-        """A registered rank of the cached topology has been quiet for over 1.5 heartbeats: it may
-        have restarted, so the next room looks the instance up again (cheap: one GET)."""
-        for rank in instance.ranks.values():
-            state = self.liveness.get(rank.agent_id)
-            if state is not None and now - state.last_seen > 1.5 * self.config.heartbeat_interval_s:
-                return True
-        return False
-
-    def _retire_replaced(self, old: PrefillInstance, new: PrefillInstance, now: float) -> None:
-        for key, rank in old.ranks.items():
-            current = new.ranks.get(key)
-            if current is not None and current.agent_id != rank.agent_id and rank.agent_id in self.registrations:
-                self.declare_dead(rank.agent_id, PeerRestarted(
-                    f"prefill rank dp={key[0]} tp={key[1]} pp={key[2]} restarted: incarnation "
-                    f"{rank.agent_id[:8]} replaced by {current.agent_id[:8]}"), now)
-
-    def _heartbeat(self, now: float) -> None:
-        cfg = self.config
-        stalled = now - self._next_beat > cfg.heartbeat_interval_s
-        self._next_beat = now + cfg.heartbeat_interval_s
-        # A tick that is itself late means this process was stalled: read what queued up before
-        # blaming peers for a silence it caused (the next tick checks). No grant without hearing a
-        # peer, so a silent one's leases ran out already.
-        for state in [] if stalled else self.liveness.expired(now):
-            self.declare_dead(state.peer_id, PeerUnreachable(
-                f"peer {state.peer_id[:8]} at {state.endpoint} unheard for {now - state.last_seen:.1f}s "
-                f"(heartbeat every {cfg.heartbeat_interval_s:g}s, {cfg.heartbeat_max_failures} misses allowed)"), now,
-                fenced_at=max(now, state.fence_time))
-        for state, seq in self.liveness.pings_due(now):
-            self._emit(Send(state.endpoint, Ping(self.name, self.endpoint, state.session, seq)))
-
     # -- messages ---------------------------------------------------------------------------
 
     def _find(self, room: int, epoch: int) -> ReceiverRoom | None:
@@ -452,32 +316,6 @@ class DecodeCore:
                 self._finish(room, now)
         self._maybe_fenced(room, now)
 
-    def _on_ping(self, msg: Ping, now: float) -> None:
-        reg = self.registrations.get(msg.sender_id)
-        if reg is not None and reg.registered and reg.session == msg.session and not self.closed:
-            self.liveness.heard(msg.sender_id, now)
-            self.liveness.granted(msg.sender_id, now)  # this pong lets prefill write until its ping time + lease
-            self._emit(Send(reg.rank.endpoint, Pong(self.name, msg.session, msg.seq)))
-            return
-        self._emit(Send(msg.endpoint, Bye(self.name, msg.session, "no such registration session here")))
-        self._drop("stale", f"ping from unknown session of {msg.sender_id[:8]}")
-
-    def _on_pong(self, msg: Pong, now: float) -> None:
-        state = self.liveness.get(msg.sender_id)
-        if state is None or state.session != msg.session:
-            self._drop("stale", f"pong from untracked {msg.sender_id[:8]}")
-            return
-        self.liveness.heard(msg.sender_id, now)
-
-    def _on_bye(self, msg: Bye, now: float) -> None:
-        reg = self.registrations.get(msg.sender_id)
-        if reg is None or reg.session != msg.session:
-            self._drop("stale", f"bye from {msg.sender_id[:8]} for another session")
-            return
-        # A prefill says goodbye only once none of its writes can still land.
-        self.declare_dead(msg.sender_id, PeerUnreachable(f"peer {msg.sender_id[:8]} closed: {msg.reason}"), now,
-                          fenced_at=now, farewell=True)
-
     # -- helpers ------------------------------------------------------------------------------
 
     def _maybe_closed(self) -> None:
@@ -490,13 +328,6 @@ class DecodeCore:
             self._emit(Send(reg.rank.endpoint, Bye(self.name, reg.session, "manager closed")))
             self.liveness.remove(prefill_id)
         self._emit(Closed())
-
-    def _emit(self, action: Action) -> None:
-        self._out.append(action)
-
-    def _drop(self, reason: str, detail: str) -> None:
-        self.stats[f"dropped_{reason}"] += 1
-        log.debug("dropped control message (%s): %s", reason, detail)
 
     def room_counts(self) -> dict[str, int]:
         return {"receivers": len(self.rooms), "fencing_rooms": len(self.fencing),

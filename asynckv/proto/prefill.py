@@ -3,7 +3,8 @@
 Feed it events (``receive``, ``post_settled``, ``peer_connected``, ``handle_timer`` and the
 sender API calls, each with ``now``) and run the actions it returns (``actions()``). It
 owns the room table, the early table, the decode peers and their sessions, liveness and
-write leases, and the in-flight byte budget.
+write leases, and the in-flight byte budget. The rules live in three files: rooms and their
+messages here, peers in ``prefill_peers``, writes and the budget in ``prefill_writes``.
 
 The fencing rules it keeps:
 
@@ -19,96 +20,44 @@ The fencing rules it keeps:
 from __future__ import annotations
 
 import collections
-import dataclasses
-import itertools
 import logging
-from collections.abc import Callable
 from typing import Any
-
-import numpy as np
-import numpy.typing as npt
 
 from ..config import Config
 from ..errors import (
     Aborted,
-    AsyncKVError,
     BootstrapTimeout,
     ClosedError,
     InvalidArgument,
     LocalProtocolError,
-    PeerRestarted,
-    PeerUnreachable,
     RemoteProtocolError,
 )
 from ..kernels import validate_pages
 from ..layout import KVArgs
-from .actions import (
-    Action,
-    CancelPosts,
-    ChunkPosted,
-    Closed,
-    ConnectPeer,
-    DisconnectPeer,
-    Finished,
-    ForgetEndpoint,
-    PeerDown,
-    PeerUp,
-    Post,
-    RoomReady,
-    Send,
-    SetLease,
-)
+from .actions import CancelPosts, Closed, Finished, RoomReady, Send
+from .core import check_int
 from .early import EarlyTable
-from .liveness import Liveness
-from .messages import MAX_ROOM, Abort, Bye, Message, Ping, Pong, Register, RegisterResult, Status, TransferInfo
+from .messages import MAX_ROOM, Abort, Bye, Ping, Pong, Register, Status, TransferInfo
+from .prefill_peers import PeerRules
+from .prefill_writes import WriteRules
 from .sender import DecodePeer, Destination, PeerPhase, SenderRoom
 from .states import Event, SenderState
-from .timers import Deadlines
-from .topology import plan_peer
 
 __all__ = ["PrefillCore", "check_int"]
 
 log = logging.getLogger("asynckv.prefill")
 
-I64 = npt.NDArray[np.int64]
-MAX_LEASE_S = 60.0
-"""A decode cannot grant itself writes for longer than this, whatever its Register says."""
 
-
-def check_int(value: Any, what: str, low: int = 0) -> int:
-    """An integer (Python or numpy, never bool or float) >= ``low``, as a Python int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
-        raise InvalidArgument(f"{what} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Queued:
-    """A write waiting for the in-flight byte budget."""
-
-    room: SenderRoom
-    dest: Destination
-    kind: str
-    src: I64
-    dst: I64
-    nbytes: int
-    chunk: int
-    last_of_chunk: bool
-
-
-class PrefillCore:
+class PrefillCore(PeerRules, WriteRules):
     """The prefill side of one rank (see the module docstring)."""
 
+    mode = "prefill"
+
     def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config) -> None:
-        self.name = name
-        self.endpoint = endpoint
-        self.kv_args = kv_args
-        self.config = config
+        super().__init__(name, endpoint, kv_args, config)
         a = kv_args
         self.sender_rank = (a.dp_rank * a.tp_size + a.engine_rank) * a.pp_size + a.pp_rank
-        self.page_bytes = int(sum(a.kv_item_lens))
-        self.aux_bytes = int(sum(a.aux_item_lens))
-        self.state_bytes = int(sum(a.state_item_lens))
+        self._init_writes()
         self.rooms: dict[int, SenderRoom] = {}
         self.draining: dict[SenderRoom, None] = {}
         """Cleared rooms whose writes are still settling (decode is told when they have); ordered."""
@@ -118,37 +67,12 @@ class PrefillCore:
         self._blocked: dict[str, DecodePeer] = {}
         """New sessions waiting for the previous session's connection to finish."""
         self.early = EarlyTable(config.max_early_infos, config.early_info_ttl_s)
-        self.liveness = Liveness(config.heartbeat_interval_s, config.heartbeat_max_failures)
-        self.deadlines = Deadlines()
-        self.posts: dict[int, tuple[SenderRoom, Destination, int]] = {}
-        self.inflight_bytes = 0
-        self._queue: collections.deque[_Queued] = collections.deque()
-        self._post_ids = itertools.count(1)
-        self._next_beat = 0.0
-        self.closing = False
-        self.closed = False
-        self.stats: collections.Counter[str] = collections.Counter()
-        self._out: list[Action] = []
-        self._handlers: dict[type[Message], Callable[[Any, float], None]] = {
+        self._handlers.update({
             Register: self._on_register, TransferInfo: self._on_transfer_info, Abort: self._on_abort,
             Ping: self._on_ping, Pong: self._on_pong, Bye: self._on_bye,
-        }
+        })
 
     # -- the surface the pump drives ---------------------------------------------------
-
-    def actions(self) -> list[Action]:
-        """Take the actions produced so far, in order."""
-        out, self._out = self._out, []
-        return out
-
-    def receive(self, msg: Message, now: float) -> None:
-        """A decoded control message."""
-        self.stats[f"msg_{type(msg).__name__}"] += 1
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            self._drop("unexpected", f"prefill got {type(msg).__name__}")
-            return
-        handler(msg, now)
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must run next (monotonic seconds), or None."""
@@ -165,54 +89,8 @@ class PrefillCore:
         expired = self.early.expired
         self.early.expire(now)
         self.stats["early_expired"] += self.early.expired - expired
-        if len(self.liveness) and now >= self._next_beat:
+        if self._beat_due(now):
             self._heartbeat(now)
-
-    def post_settled(self, post_id: int, error: BaseException | None, now: float) -> None:
-        """The data plane settled a post: every byte landed (``error`` None), or none will land any more."""
-        record = self.posts.pop(post_id, None)
-        if record is None:
-            self.stats["unknown_post"] += 1
-            return
-        room, dest, nbytes = record
-        peer = dest.peer
-        self.inflight_bytes -= nbytes
-        room.posts.discard(post_id)
-        peer.posts.discard(post_id)
-        if error is not None:
-            if isinstance(error, PeerUnreachable) and peer.phase is PeerPhase.CONNECTED:
-                self.drop_peer(peer, error, now, say_bye=True)  # NIXL saw the disconnect: no need to wait
-            self.fail(room, error, now)
-        if room.state is SenderState.DRAINING and not room.posts:
-            room.move(Event.WRITES_SETTLED)
-            self._report_failure(room, now)
-        else:
-            self._maybe_succeed(room, now)
-        self._peer_progress(peer)
-        self._pump_queue()
-        self._maybe_closed()
-
-    def peer_connected(self, peer: DecodePeer, error: BaseException | None, now: float) -> None:
-        """The data plane answered ``ConnectPeer`` (``error`` None: connected and warmed up)."""
-        peer.connecting = False
-        if peer.phase is PeerPhase.DRAINING:  # dropped while it was connecting
-            if error is None:
-                self._emit(DisconnectPeer(peer.name))
-            self._peer_progress(peer)
-            return
-        if error is not None:
-            if self.peers.get(peer.name) is peer:
-                del self.peers[peer.name]
-            self.stats["peers_refused"] += 1
-            log.warning("refused decode peer %s at %s: %s", peer.name[:8], peer.endpoint, error)
-            self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, False, str(error))))
-            return
-        peer.phase = PeerPhase.CONNECTED
-        state = self.liveness.add(peer.name, peer.endpoint, peer.session, now, lease_s=peer.lease_s)
-        self._emit(SetLease(peer.name, state.lease_until))  # before decode can send a destination
-        self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, True, "")))
-        self._emit(PeerUp(peer.name, now - peer.started))
-        self.stats["peers_added"] += 1
 
     def close(self, now: float) -> None:
         """Fail every room and drop every peer; ``Closed`` follows once every write settled."""
@@ -298,12 +176,7 @@ class PrefillCore:
         except InvalidArgument as exc:
             self.fail(room, exc, now)
             return chunk
-        for i, (dest, kind, src, dst, nbytes) in enumerate(writes):
-            self._queue.append(_Queued(room, dest, kind, src, dst, nbytes, chunk, i == len(writes) - 1))
-        room.queued += len(writes)
-        if not writes:
-            self._emit(ChunkPosted(room, chunk))
-        self._pump_queue()
+        self._queue_writes(room, chunk, writes)
         self._maybe_succeed(room, now)
         return chunk
 
@@ -325,103 +198,7 @@ class PrefillCore:
         else:
             self._retire(room, now)
 
-    # -- peers --------------------------------------------------------------------------
-
-    def declare_dead(self, peer_id: str, error: BaseException, now: float) -> None:
-        """Drop a decode peer now: fail its rooms, cancel its writes, say goodbye once they settled."""
-        peer = self.peers.get(peer_id)
-        if peer is not None:
-            self.drop_peer(peer, error, now, say_bye=True)
-
-    def drop_peer(self, peer: DecodePeer, error: BaseException, now: float, *, say_bye: bool,
-                  farewell: bool = False) -> None:
-        if peer.phase is PeerPhase.DRAINING:
-            return
-        peer.phase, peer.say_bye = PeerPhase.DRAINING, say_bye
-        peer.bye_reason = f"declared dead: {error}" if not farewell else str(error)
-        if self.peers.get(peer.name) is peer:
-            del self.peers[peer.name]
-            state = self.liveness.get(peer.name)
-            if state is not None and state.session == peer.session:
-                self.liveness.remove(peer.name)
-        self.retired[peer] = None
-        self.stats["peers_dead"] += 1
-        self._emit(PeerDown(peer.name, error, farewell))
-        for room in [*self.rooms.values(), *self.draining]:  # (a failed room's posts are cancelled already)
-            if any(d.peer is peer for d in room.destinations.values()):
-                self.fail(room, error, now)
-        if not peer.connecting:
-            self._emit(DisconnectPeer(peer.name))
-        self._peer_progress(peer)
-
-    def _peer_progress(self, peer: DecodePeer) -> None:
-        """A dropped peer with nothing in flight: goodbye, then a waiting new session may connect."""
-        if peer.phase is not PeerPhase.DRAINING or peer.posts or peer.connecting or peer not in self.retired:
-            return
-        del self.retired[peer]
-        if peer.say_bye:
-            self._emit(Send(peer.endpoint, Bye(self.name, peer.session, peer.bye_reason)))
-        current = self.peers.get(peer.name)
-        if current is None or current.endpoint != peer.endpoint:
-            self._emit(ForgetEndpoint(peer.endpoint))
-        blocked = self._blocked.pop(peer.name, None)
-        if blocked is not None and self.peers.get(peer.name) is blocked:
-            self._emit(ConnectPeer(blocked))
-        self._maybe_closed()
-
-    def _heartbeat(self, now: float) -> None:
-        cfg = self.config
-        stalled = now - self._next_beat > cfg.heartbeat_interval_s
-        self._next_beat = now + cfg.heartbeat_interval_s
-        # A tick that is itself late means this process was stalled: read what queued up before
-        # blaming peers for a silence it caused (the next tick checks).
-        for state in [] if stalled else self.liveness.expired(now):
-            peer = self.peers.get(state.peer_id)
-            if peer is not None and peer.session == state.session:
-                self.drop_peer(peer, PeerUnreachable(
-                    f"peer {state.peer_id[:8]} at {state.endpoint} unheard for {now - state.last_seen:.1f}s "
-                    f"(heartbeat every {cfg.heartbeat_interval_s:g}s, {cfg.heartbeat_max_failures} misses allowed)"),
-                    now, say_bye=True)
-        for state, seq in self.liveness.pings_due(now):
-            self._emit(Send(state.endpoint, Ping(self.name, self.endpoint, state.session, seq)))
-
     # -- messages -------------------------------------------------------------------------
-
-    def _on_register(self, reg: Register, now: float) -> None:
-        def refuse(reason: str) -> None:
-            self.stats["peers_refused"] += 1
-            self._emit(Send(reg.endpoint, RegisterResult(self.name, reg.decode_id, reg.session, False, reason)))
-
-        if reg.prefill_id != self.name:
-            self._emit(Send(reg.endpoint, RegisterResult(reg.prefill_id, reg.decode_id, reg.session, False, (
-                f"prefill restarted: decode expected incarnation {reg.prefill_id[:8]}, this is {self.name[:8]}"))))
-            return
-        if self.closing:
-            refuse("prefill manager closing")
-            return
-        current = self.peers.get(reg.decode_id)
-        if current is not None and current.session == reg.session:
-            if current.phase is PeerPhase.CONNECTED:  # a duplicate: answer again
-                self._emit(Send(reg.endpoint, RegisterResult(self.name, reg.decode_id, reg.session, True, "")))
-            return
-        if current is None and len(self.peers) + len(self.retired) >= self.config.max_peers:
-            refuse(f"too many decode peers ({self.config.max_peers})")
-            return
-        try:
-            plan = plan_peer(self.kv_args, reg)
-        except AsyncKVError as exc:
-            log.warning("refused decode peer %s at %s: %s", reg.decode_id[:8], reg.endpoint, exc)
-            refuse(str(exc))
-            return
-        peer = DecodePeer.from_register(reg, plan, now, MAX_LEASE_S)
-        if current is not None:  # the decode forgot its old session with us: void it first
-            self.drop_peer(current, PeerRestarted(
-                f"decode {reg.decode_id[:8]} registered again (session {reg.session})"), now, say_bye=False)
-        self.peers[reg.decode_id] = peer
-        if any(p.name == reg.decode_id and p.connecting for p in self.retired):
-            self._blocked[reg.decode_id] = peer  # connects once the old connection is undone
-        else:
-            self._emit(ConnectPeer(peer))
 
     def _on_transfer_info(self, info: TransferInfo, now: float) -> None:
         if info.prefill_id != self.name:
@@ -525,38 +302,6 @@ class PrefillCore:
                 early.aborts[msg.decode_id] = reason
         ack()
 
-    def _on_ping(self, msg: Ping, now: float) -> None:
-        state = self.liveness.get(msg.sender_id)
-        if state is not None and state.session == msg.session:
-            self.liveness.heard(msg.sender_id, now)
-            self._emit(Send(state.endpoint, Pong(self.name, msg.session, msg.seq)))
-        elif not any(p.name == msg.sender_id and p.session == msg.session for p in self.retired):
-            self._emit(Send(msg.endpoint, Bye(self.name, msg.session, "no such registration session here")))
-            self._drop("stale", f"ping from unknown session of {msg.sender_id[:8]}")
-
-    def _on_pong(self, msg: Pong, now: float) -> None:
-        lease = self.liveness.on_pong(msg.sender_id, msg.session, msg.seq, now)
-        if lease is not None:
-            self._emit(SetLease(msg.sender_id, lease))
-        elif msg.sender_id not in self.liveness:
-            self._drop("stale", f"pong from untracked {msg.sender_id[:8]}")
-
-    def _on_bye(self, msg: Bye, now: float) -> None:
-        peer = self.peers.get(msg.sender_id)
-        if peer is None or peer.session != msg.session:
-            self._drop("stale", f"bye from {msg.sender_id[:8]} for another session")
-            return
-        self.drop_peer(peer, PeerUnreachable(f"peer {msg.sender_id[:8]} closed: {msg.reason}"), now,
-                       say_bye=False, farewell=True)
-
-    def version_mismatch(self, msg_type: int, body: dict[str, Any] | None, reason: str, now: float) -> None:
-        """A message in another protocol version: a registration is refused naming both versions."""
-        body = body or {}
-        endpoint, decode_id, session = body.get("endpoint"), body.get("decode_id"), body.get("session", 0)
-        if msg_type == Register.TYPE and isinstance(endpoint, str) and isinstance(decode_id, str) \
-                and endpoint.startswith("tcp://") and type(session) is int and session >= 0:
-            self._emit(Send(endpoint, RegisterResult(self.name, decode_id, session, False, reason)))
-
     # -- rooms ----------------------------------------------------------------------------
 
     def fail(self, room: SenderRoom, error: BaseException, now: float) -> None:
@@ -613,61 +358,6 @@ class PrefillCore:
                                                 f"pages, prefill will send {room.num_pages}"), now)
                 return
 
-    def _chunk_writes(self, room: SenderRoom, pages: I64, start: int, state: I64 | None,
-                      is_last: bool) -> list[tuple[Destination, str, I64, I64, int]]:
-        """The writes of one chunk, per destination: KV pages, and with the last chunk aux and state."""
-        writes = []
-        n = len(pages)
-        for dest in room.destinations.values():
-            info = dest.info
-            if info.is_dummy:
-                continue
-            if n:
-                writes.append((dest, "kv", pages, info.dst_pages[start:start + n].astype(np.int64),
-                               n * self.page_bytes))
-            if not is_last:
-                continue
-            if info.write_aux and room.aux_index >= 0 and info.aux_index >= 0:
-                writes.append((dest, "aux", np.array([room.aux_index], dtype=np.int64),
-                               np.array([info.aux_index], dtype=np.int64), self.aux_bytes))
-            plan = dest.peer.plan.state
-            if plan is None or len(info.dst_state_indices) == 0 or (plan.replicated and not info.write_aux):
-                continue
-            if state is None or len(state) != len(info.dst_state_indices):
-                got = "none" if state is None else len(state)
-                raise InvalidArgument(f"room {room.room}: decode expects {len(info.dst_state_indices)} state "
-                                      f"indices, the last chunk carried {got}")
-            writes.append((dest, "state", state, info.dst_state_indices.astype(np.int64),
-                           len(state) * self.state_bytes))
-        return writes
-
-    def _pump_queue(self) -> None:
-        """Post queued writes, oldest first, while the in-flight byte budget allows (a write larger
-        than the whole budget goes alone)."""
-        limit = self.config.max_inflight_bytes
-        while self._queue:
-            q = self._queue[0]
-            room, dest = q.room, q.dest
-            if not room.active or dest.peer.phase is not PeerPhase.CONNECTED:
-                self._queue.popleft()
-                room.queued -= 1
-                continue
-            if self.inflight_bytes and self.inflight_bytes + q.nbytes > limit:
-                return
-            self._queue.popleft()
-            room.queued -= 1
-            post_id = next(self._post_ids)
-            self.posts[post_id] = (room, dest, q.nbytes)
-            room.posts.add(post_id)
-            dest.peer.posts.add(post_id)
-            self.inflight_bytes += q.nbytes
-            self.stats[f"{q.kind}_posts"] += 1
-            self.stats[f"{q.kind}_bytes"] += q.nbytes
-            timeout = self.config.xfer_deadline_base_s + q.nbytes / self.config.xfer_deadline_min_bytes_per_s
-            self._emit(Post(post_id, dest.peer.name, room.room, dest.epoch, q.kind, q.src, q.dst, q.nbytes, timeout))
-            if q.last_of_chunk:
-                self._emit(ChunkPosted(room, q.chunk))
-
     # -- helpers -------------------------------------------------------------------------
 
     def _status(self, peer: DecodePeer, room: int, epoch: int, ok: bool, reason: str) -> None:
@@ -678,13 +368,6 @@ class PrefillCore:
         if self.closing and not self.closed and not self.posts and not self.retired:
             self.closed = True
             self._emit(Closed())
-
-    def _emit(self, action: Action) -> None:
-        self._out.append(action)
-
-    def _drop(self, reason: str, detail: str) -> None:
-        self.stats[f"dropped_{reason}"] += 1
-        log.debug("dropped control message (%s): %s", reason, detail)
 
     # -- introspection -----------------------------------------------------------------------
 

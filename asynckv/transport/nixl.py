@@ -24,7 +24,6 @@ dlists, then remove the remote agents, then deregister memory.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -34,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AsyncKVError, ClosedError, PeerUnreachable, RemoteProtocolError, TransferTimeout, TransportError
+from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError, TransferTimeout, TransportError
 from .base import U64, DescPiece, MemoryLayout, PreppedPiece, Settled, Write
+from .commands import Call, Cancel, Command, Forget, PostCmd, map_nixl_error
 
 __all__ = ["NixlDataPlane", "map_nixl_error"]
 
@@ -43,54 +43,6 @@ log = logging.getLogger("asynckv.nixl")
 
 _MIN_IDLE_WAIT_S = 20e-6
 _MAX_BUSY_WAIT_S = 250e-6
-
-
-def map_nixl_error(exc: BaseException, what: str) -> BaseException:
-    """Translate a nixl binding exception into asynckv's tree (keeps ours as they are)."""
-    if isinstance(exc, AsyncKVError):
-        return exc
-    name = type(exc).__name__
-    if name == "nixlRemoteDisconnectError":
-        err: BaseException = PeerUnreachable(f"{what}: peer disconnected ({name})")
-    else:
-        err = TransportError(f"{what}: {name}: {exc}")
-    err.__cause__ = exc
-    return err
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Post:
-    post_id: int
-    peer: str
-    write: Write
-    timeout_s: float
-    leased: bool = True
-    """Checked against the peer's write lease (the warm-up write into scratch is not)."""
-    fut: asyncio.Future[None] | None = None
-    """Set for internal posts the loop awaits (warm-up); others report through on_settled."""
-    handles: list[Any] = dataclasses.field(default_factory=list)
-    deadline: float = 0.0
-
-
-@dataclasses.dataclass(slots=True)
-class _Call:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    fut: asyncio.Future[Any]
-
-
-@dataclasses.dataclass(slots=True)
-class _Cancel:
-    post_ids: tuple[int, ...]
-    reason: BaseException
-
-
-@dataclasses.dataclass(slots=True)
-class _Forget:
-    peer: str
-
-
-_Command = _Call | _Post | _Cancel | _Forget | None
 
 
 def _nixl_agent(name: str, backend: str) -> Any:
@@ -117,14 +69,14 @@ class NixlDataPlane:
         ``idle_poll_s``; otherwise back off to ``deep_idle_s`` (our own commands wake us)."""
         self.on_settled: Settled = lambda batch: None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._leases: dict[str, float] = {}
         self._cancelled: dict[int, BaseException] = {}
         """Posts the loop cancelled; read between handles (a dict update is atomic under the GIL)."""
-        self._in_flight: list[_Post] = []
+        self._in_flight: list[PostCmd] = []
         self.posts_in_flight = 0
         self.rounds = 0
         self.thread_error: BaseException | None = None
@@ -162,26 +114,26 @@ class NixlDataPlane:
         src = np.array([[memory.scratch[0], n, 0]], dtype=np.uint64)
         piece = DescPiece(src, np.array([[dst[0], n, 0]], dtype=np.uint64), "DRAM", "DRAM")
         fut = self._future()
-        self._put(_Post(-1, peer, Write((piece,), 1, n), timeout_s, leased=False, fut=fut))
+        self._put(PostCmd(-1, peer, Write((piece,), 1, n), timeout_s, leased=False, fut=fut))
         await fut
 
     def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
         if self._closed:
             self._settle_soon([(post_id, ClosedError("data plane closed"))])
             return
-        self._put(_Post(post_id, peer, write, timeout_s))
+        self._put(PostCmd(post_id, peer, write, timeout_s))
 
     def cancel(self, post_ids: Sequence[int], reason: BaseException) -> None:
         for post_id in post_ids:
             self._cancelled[post_id] = reason
-        self._put(_Cancel(tuple(post_ids), reason))
+        self._put(Cancel(tuple(post_ids), reason))
 
     def set_lease(self, peer: str, until: float) -> None:
         self._leases[peer] = until
 
     def forget_peer(self, peer: str) -> None:
         self._leases.pop(peer, None)  # here, not on the engine thread: a later session's lease is set after
-        self._put(_Forget(peer))
+        self._put(Forget(peer))
 
     async def close(self) -> None:
         """Release every handle, dlist and remote agent, deregister memory, stop the thread."""
@@ -204,7 +156,7 @@ class NixlDataPlane:
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         fut = self._future()
-        self._put(_Call(fn, args, fut))
+        self._put(Call(fn, args, fut))
         return fut
 
     def _future(self) -> asyncio.Future[Any]:
@@ -212,7 +164,7 @@ class NixlDataPlane:
             raise ClosedError(f"data plane {self.name} is closed")
         return self._loop.create_future()
 
-    def _put(self, cmd: _Command) -> None:
+    def _put(self, cmd: Command) -> None:
         self._commands.put(cmd)
         self._wake.set()
 
@@ -311,7 +263,7 @@ class NixlDataPlane:
         idle_wait = _MIN_IDLE_WAIT_S
         while True:
             done: list[Any] = []
-            commands: list[_Command] = []
+            commands: list[Command] = []
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -321,11 +273,11 @@ class NixlDataPlane:
             for cmd in commands:
                 if cmd is None:
                     stop = True
-                elif isinstance(cmd, _Post):
+                elif isinstance(cmd, PostCmd):
                     self._start(cmd, done)
-                elif isinstance(cmd, _Cancel):
+                elif isinstance(cmd, Cancel):
                     self._apply_cancel(cmd, done)
-                elif isinstance(cmd, _Forget):
+                elif isinstance(cmd, Forget):
                     self._forget(cmd.peer, done)
                 else:
                     try:
@@ -359,7 +311,7 @@ class NixlDataPlane:
                 expecting = self._expecting is None or self._expecting()
                 idle_wait = min(idle_wait * 2, self._idle_poll_s if expecting else self._deep_idle_s)
 
-    def _refusal(self, post: _Post, now: float) -> BaseException | None:
+    def _refusal(self, post: PostCmd, now: float) -> BaseException | None:
         """Why ``post`` may start no further handle, or None."""
         reason = self._cancelled.get(post.post_id)
         if reason is not None:
@@ -371,7 +323,7 @@ class NixlDataPlane:
                                    f"(unheard for too long)")
         return None
 
-    def _start(self, post: _Post, done: list[Any]) -> None:
+    def _start(self, post: PostCmd, done: list[Any]) -> None:
         """Create and post the handles one by one, checking the lease and cancel set before each."""
         agent = self._agent
         post.deadline = time.monotonic() + post.timeout_s
@@ -403,7 +355,7 @@ class NixlDataPlane:
         return agent.initialize_xfer("WRITE", agent.get_xfer_descs(piece.src, piece.src_kind),
                                      agent.get_xfer_descs(piece.dst, piece.dst_kind), peer)
 
-    def _apply_cancel(self, cmd: _Cancel, done: list[Any]) -> None:
+    def _apply_cancel(self, cmd: Cancel, done: list[Any]) -> None:
         still = []
         for post in self._in_flight:
             if post.post_id in self._cancelled:
@@ -443,7 +395,7 @@ class NixlDataPlane:
         agent.release_xfer_handle(handle)
         return False
 
-    def _finish(self, post: _Post, error: BaseException | None, done: list[Any]) -> None:
+    def _finish(self, post: PostCmd, error: BaseException | None, done: list[Any]) -> None:
         """Release whatever the post still holds (cancelling what is PROC) and report it once."""
         for handle in post.handles:
             try:
