@@ -55,6 +55,11 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     if fc:
         lines.append(f"| Q6 first contact | median {fc['median_ms']:.1f} ms, p90 {fc['p90_ms']:.1f} ms | | | "
                      f"< 100 ms |")
+    sim = _load(out, "simulator")
+    if sim:
+        lines.append(f"| Q7 simulator: seeded schedules of faults over the real cores | {sim['schedules']:,} schedules, "
+                     f"{sim['rooms']:,} rooms, {sim['simulated_hours']} simulated hours in {sim['seconds']:.0f} s | "
+                     f"invariants I1-I5 after every step | {sim['violations']} violations | 0 |")
     hs = _load(out, "head_slice")
     if hs:
         for r in hs["rows"]:

@@ -235,7 +235,7 @@ class Driver:
         w, room = self.world, side.room
         stopped = self.stopped_total.get(node.name, 0.0) - side.stopped_before
         if isinstance(room, ReceiverRoom):
-            bound = self._receiver_bound() + stopped
+            bound = self.receiver_bound() + stopped
             if room.state is ReceiverState.SUCCEEDED:
                 self.succeeded += 1
                 w.check_success(node, room)
@@ -251,7 +251,7 @@ class Driver:
             self.free_rows[node.name].append(side.aux)
             side.pages = []
         else:
-            bound = self._sender_bound() + stopped
+            bound = self.sender_bound() + stopped
             if side.cleared:
                 self._free_src(side)
         if room is not None and room.finished is not None and room.finished - side.started > bound:
@@ -275,11 +275,11 @@ class Driver:
         spec.reused = True
         self.start_room(self.world.now + self.rng.uniform(0, 0.02), room_id=spec.room_id)
 
-    def _receiver_bound(self) -> float:
+    def receiver_bound(self) -> float:
         c = self.world.config
         return c.waiting_timeout_s + c.fence_timeout_s + c.heartbeat_interval_s * c.heartbeat_max_failures + 0.5
 
-    def _sender_bound(self) -> float:
+    def sender_bound(self) -> float:
         c = self.world.config
         dead = c.heartbeat_interval_s * c.heartbeat_max_failures
         return c.bootstrap_timeout_s + 3 * (c.xfer_deadline_base_s + 1.0) + dead + 2.0
@@ -343,7 +343,7 @@ class Driver:
                 room = side.room
                 if room is None or side.gone or not side.node.alive or side.node.core.closing:
                     continue
-                bound = self._receiver_bound() if isinstance(room, ReceiverRoom) else self._sender_bound()
+                bound = self.receiver_bound() if isinstance(room, ReceiverRoom) else self.sender_bound()
                 stopped = self.stopped_total.get(side.node.name, 0.0) - side.stopped_before
                 if side.started + bound + stopped < self.world.now and room.state not in (
                         SenderState.SUCCEEDED, SenderState.FAILED, ReceiverState.SUCCEEDED, ReceiverState.FAILED):

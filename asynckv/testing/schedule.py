@@ -59,7 +59,7 @@ def run_seed(seed: int, *, trace: bool = False, config: Config = SIM_CONFIG) -> 
         driver.start_room(rng.uniform(0, WORKLOAD_S))
     driver.process_faults(rng.choice((0, 1, 2, 3)) if heavy else rng.choice((0, 0, 1)))
     world.at(WORKLOAD_S + 0.5, setattr, world, "faults_on", False)
-    settle = WORKLOAD_S + 1.0 + driver._sender_bound()
+    settle = WORKLOAD_S + 1.0 + driver.sender_bound()
     world.run_until(settle)
     driver.check_ends()
     for pg in range(len(world.prefill)):  # I5: faults have stopped: every live pair works again
