@@ -57,7 +57,7 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                      f"< 100 ms |")
     sim = _load(out, "simulator")
     if sim:
-        lines.append(f"| Q7 simulator: seeded schedules of faults over the real cores | {sim['schedules']:,} schedules, "
+        lines.append(f"| Q7 simulator: seeded fault schedules over the real cores | {sim['schedules']:,} schedules, "
                      f"{sim['rooms']:,} rooms, {sim['simulated_hours']} simulated hours in {sim['seconds']:.0f} s | "
                      f"invariants I1-I5 after every step | {sim['violations']} violations | 0 |")
     hs = _load(out, "head_slice")

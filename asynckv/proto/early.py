@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from .messages import TransferInfo
+from .sender import Destination
 
 __all__ = ["EarlyRoom", "EarlyTable"]
 
@@ -22,13 +22,14 @@ __all__ = ["EarlyRoom", "EarlyTable"]
 @dataclasses.dataclass(eq=False, slots=True)
 class EarlyRoom:
     deadline: float
-    infos: dict[str, TransferInfo] = dataclasses.field(default_factory=dict)
+    infos: dict[str, Destination] = dataclasses.field(default_factory=dict)
+    """Destinations by decode_id, with the registration session (peer) they came in."""
     aborts: dict[str, str] = dataclasses.field(default_factory=dict)
     """decode_id -> reason of aborts that came before the sender."""
     failed: str | None = None
     """Why the cleared sender failed, for destinations that arrive late."""
-    answered: set[str] = dataclasses.field(default_factory=set)
-    """Decode ranks told of ``failed`` (or that aborted themselves)."""
+    answered: dict[str, int] = dataclasses.field(default_factory=dict)
+    """decode_id -> the room incarnation (epoch) told of ``failed``, or that aborted itself."""
     required: int | None = None
 
 

@@ -122,10 +122,9 @@ class PrefillCore(PeerRules, WriteRules):
         self.deadlines.arm(sender, now + self.config.bootstrap_timeout_s)
         early = self.early.pop(room)
         if early is not None:  # a failure notice of an earlier sender of this id is void now
-            for decode_id, info in early.infos.items():
-                peer = self.peers.get(decode_id)
-                if peer is not None and peer.phase is PeerPhase.CONNECTED:
-                    self._on_destination(sender, info, peer, now)
+            for decode_id, dest in early.infos.items():  # only from the session they came in, if it lives on
+                if self.peers.get(decode_id) is dest.peer and dest.peer.phase is PeerPhase.CONNECTED:
+                    self._on_destination(sender, dest.info, dest.peer, now)
             if early.aborts:
                 self.fail(sender, Aborted(next(iter(early.aborts.values()))), now)
         return sender
@@ -208,30 +207,38 @@ class PrefillCore(PeerRules, WriteRules):
         if peer is None or peer.phase is not PeerPhase.CONNECTED:
             self._drop("unknown_peer", f"room {info.room} from unregistered {info.decode_id[:8]}")
             return
+        if not peer.first_time(info.room, info.epoch):
+            self._drop("duplicate", f"room {info.room}#{info.epoch} destination again")
+            return
         room = self.rooms.get(info.room)
-        if room is not None:
+        if room is not None and not self._later_request(room, info.decode_id, info.epoch):
             self._on_destination(room, info, peer, now)
             return
         early = self.early.get(info.room)
-        if early is not None and early.failed is not None:  # the sender failed and was cleared already
-            self._status(peer, info.room, info.epoch, False, early.failed)
-            early.answered.add(info.decode_id)
+        if room is None and early is not None and early.failed is not None \
+                and early.answered.get(info.decode_id, info.epoch) == info.epoch:
+            self._status(peer, info.room, info.epoch, False, early.failed)  # the sender failed, was cleared
+            early.answered[info.decode_id] = info.epoch
             early.required = info.required_dst_info_num
             if len(early.answered) >= early.required:
                 self.early.pop(info.room)
             return
-        early = self.early.get_or_add(info.room, now)
+        early = self.early.get_or_add(info.room, now)  # for a sender not created yet
         if early is None:
             self._drop("early_full", f"room {info.room}: too many rooms without a sender")
             return
-        early.infos[info.decode_id] = info
+        early.infos[info.decode_id] = Destination(info, peer)
+
+    @staticmethod
+    def _later_request(room: SenderRoom, decode_id: str, epoch: int) -> bool:
+        """A message of a decode that already gave this sender another incarnation of the room is
+        for a later request reusing the room id: it waits for that request's sender."""
+        dest = room.destinations.get(decode_id)
+        return dest is not None and dest.epoch != epoch
 
     def _on_destination(self, room: SenderRoom, info: TransferInfo, peer: DecodePeer, now: float) -> None:
         old = room.destinations.get(info.decode_id)
         if room.state is not SenderState.BOOTSTRAPPING:
-            if old is not None and old.epoch == info.epoch:
-                self._drop("duplicate", f"room {room.room} destination again")
-                return
             self.stats["late_info"] += 1
             why = room.reason if room.exception is not None else "it already has its destinations"
             self._status(peer, room.room, info.epoch, False,
@@ -285,17 +292,16 @@ class PrefillCore(PeerRules, WriteRules):
             elif room.state is not SenderState.DRAINING:
                 ack()
             return  # (a draining room tells that decode once its writes settled)
-        if current is not None:
+        early = self.early.get(msg.room)
+        parked = None if early is None else early.infos.get(msg.decode_id)
+        if early is not None and parked is not None and parked.epoch == msg.epoch:
+            del early.infos[msg.decode_id]  # its destination waited for a sender: never used now
+            early.aborts[msg.decode_id] = reason
+        elif current is not None and not self._later_request(current, msg.decode_id, msg.epoch):
             if not msg.destination_sent and current.active and msg.decode_id not in current.destinations:
                 self.fail(current, Aborted(reason), now)  # the abort came before that decode's destination
-            ack()
-            return
-        early = self.early.get(msg.room)
-        if early is not None and msg.decode_id in early.infos:
-            del early.infos[msg.decode_id]
-            early.aborts[msg.decode_id] = reason
-        elif early is not None and early.failed is not None:
-            early.answered.add(msg.decode_id)
+        elif early is not None and early.failed is not None and current is None:
+            early.answered[msg.decode_id] = msg.epoch
         elif not msg.destination_sent:  # a sender created later fails at once instead of at its timeout
             early = self.early.get_or_add(msg.room, now)
             if early is not None:
@@ -348,7 +354,7 @@ class PrefillCore(PeerRules, WriteRules):
         early = self.early.get_or_add(room.room, now)
         if early is not None:
             early.failed = room.reason
-            early.answered = set(room.destinations)
+            early.answered = {d: dest.epoch for d, dest in room.destinations.items()}
             early.required = room.required
 
     def _check_page_counts(self, room: SenderRoom, now: float) -> None:

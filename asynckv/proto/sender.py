@@ -5,6 +5,7 @@ These hold state only; every decision about them is made by ``PrefillCore``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 
@@ -12,7 +13,9 @@ from .messages import Register, TransferInfo
 from .states import SENDER_POLL, SENDER_TRANSITIONS, Event, KVPoll, SenderState, transition
 from .topology import PeerPlan
 
-__all__ = ["DecodePeer", "Destination", "PeerPhase", "SenderRoom"]
+__all__ = ["SEEN_DESTINATIONS", "DecodePeer", "Destination", "PeerPhase", "SenderRoom"]
+
+SEEN_DESTINATIONS = 4096
 
 
 class PeerPhase(enum.Enum):
@@ -40,6 +43,18 @@ class DecodePeer:
     posts: set[int] = dataclasses.field(default_factory=set)
     say_bye: bool = False
     bye_reason: str = ""
+    seen: collections.OrderedDict[tuple[int, int], None] = dataclasses.field(default_factory=collections.OrderedDict)
+    """(room, epoch) of the destinations this session sent, the last ``SEEN_DESTINATIONS``: each is acted
+    on once, so a duplicated one can never reach a later sender of a reused room id."""
+
+    def first_time(self, room: int, epoch: int) -> bool:
+        key = (room, epoch)
+        if key in self.seen:
+            return False
+        self.seen[key] = None
+        if len(self.seen) > SEEN_DESTINATIONS:
+            self.seen.popitem(last=False)
+        return True
 
     @property
     def name(self) -> str:

@@ -135,7 +135,10 @@ class SimDataPlane:
         post.running = False
         node, a = post.node, post.action
         target = self.names.get(a.peer)
-        if not node.alive or target is None or not target.alive:
+        if not node.alive:
+            return  # the writer died: its core is gone
+        if target is None or not target.alive:  # the copy fails: the engine sees the disconnect
+            self._in_node(node, self._settle, (post, PeerUnreachable(f"post {a.post_id}: peer disconnected")))
             return
         n = len(a.dst)
         pages = [j for j in range(n) if k == (j + 1) * post.units // n - 1] if n else []
