@@ -1,10 +1,11 @@
-"""The reference connector's workload (../shared/reference/seed-performance.md), run by
-asynckv in the same way: a prefill process and a decode process on this machine, DRAM,
+"""The reference connector's published workload (SGLang's NIXL connector measured on this kind of
+machine), run by asynckv in the same way: a prefill process and a decode process on this machine, DRAM,
 UCX over loopback, 32 layers MHA = 64 buffers of 32 KiB pages (2 MiB per page), 10 aux
 rows; 8 rooms in flight unless noted. Decode latency: init() to Success.
 
-The reference's numbers come from its own document (same kind of machine, not this run);
-asynckv's are measured here. Pages are not filled or verified (the demo does that).
+The reference's numbers come from its own published run (same kind of machine, not this run; a
+same-run comparison is the performance issue's work); asynckv's are measured here. Pages are not
+filled or verified (the demo does that).
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""The pump runs a core's actions strictly in order and re-arms one timer from the core's clock."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+from asynckv.proto import actions as act
+from asynckv.proto.messages import Bye
+from asynckv.service.pump import Pump
+from asynckv.testing import ManualClock
+
+
+class FakeCore:
+    def __init__(self) -> None:
+        self.out: list[act.Action] = []
+        self.calls: list[tuple[str, float]] = []
+        self.timer: float | None = None
+
+    def actions(self) -> list[act.Action]:
+        out, self.out = self.out, []
+        return out
+
+    def get_timer(self) -> float | None:
+        return self.timer
+
+    def poke(self, tag: str, now: float) -> None:
+        self.calls.append((tag, now))
+        self.out += [act.Send(f"tcp://{tag}:{i}", Bye("x", 0, f"{tag}-{i}")) for i in (1, 2)]
+
+    def handle_timer(self, now: float) -> None:
+        self.calls.append(("timer", now))
+        self.timer = None
+
+
+class FakeControl:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.dropped: collections.Counter[str] = collections.Counter()
+
+    def send(self, endpoint: str, msg: Any) -> None:
+        self.sent.append(msg.reason)
+
+
+async def test_actions_run_in_order_even_when_running_one_feeds_the_core_again() -> None:
+    core, control = FakeCore(), FakeControl()
+    pump = Pump(core, control, ("prefill", "test"), clock=ManualClock(5.0))  # type: ignore[arg-type]
+    original = pump.handlers[act.Send]
+
+    def send_then_feed(a: act.Send) -> None:
+        original(a)
+        if a.msg.reason == "a-1":  # running a-1 feeds the core: its actions queue behind a-2
+            pump.feed("poke", "b")
+
+    pump.handlers[act.Send] = send_then_feed
+    pump.feed("poke", "a")
+    assert control.sent == ["a-1", "a-2", "b-1", "b-2"]
+    assert core.calls == [("a", 5.0), ("b", 5.0)]  # every call gets the pump's clock
+
+
+async def test_the_one_timer_follows_the_cores_deadline_and_gets_the_clocks_time() -> None:
+    core, clock = FakeCore(), ManualClock(100.0)
+    pump = Pump(core, FakeControl(), ("decode", "test"), clock=clock)  # type: ignore[arg-type]
+    core.timer = 100.05
+    pump.feed("poke", "a")  # re-arms: fires 50 ms later
+    core.timer = 100.02
+    pump.feed("poke", "b")  # an earlier deadline re-arms it again
+    await asyncio.sleep(0.005)
+    assert [c for c in core.calls if c[0] == "timer"] == []
+    clock.advance(0.02)
+    await asyncio.sleep(0.05)
+    assert [c for c in core.calls if c[0] == "timer"] == [("timer", 100.02)]
+    await asyncio.sleep(0.05)
+    assert len([c for c in core.calls if c[0] == "timer"]) == 1  # the later one was replaced, not kept
