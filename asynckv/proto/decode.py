@@ -68,6 +68,7 @@ class DecodeCore(RegistrationRules):
         """Cleared rooms still fencing, by (room, epoch): their statuses must still reach them."""
         self.registrations: dict[str, Registration] = {}
         self.instances: dict[str, PrefillInstance] = {}
+        self.fetched_at: dict[str, float] = {}
         self.fetching: dict[str, list[ReceiverRoom]] = {}
         self._plans: dict[tuple[str, int], tuple[PrefillInstance, TargetPlan]] = {}
         self._epochs = itertools.count(1)
@@ -114,6 +115,7 @@ class DecodeCore(RegistrationRules):
         if old is not None:
             self._retire_replaced(old, result, now)
         self.instances[addr] = result
+        self.fetched_at[addr] = now
         for room in waiting:
             if room.state is ReceiverState.RESOLVING:
                 self._plan_room(room, result, now)
@@ -166,7 +168,7 @@ class DecodeCore(RegistrationRules):
         room.move(Event.INIT_CALLED)
         self.deadlines.arm(room, now + self.config.waiting_timeout_s)
         instance = self.instances.get(room.addr)
-        if instance is not None and not self._stale(instance, now):
+        if instance is not None and not self._stale(room, instance, now):
             self._plan_room(room, instance, now)
             return
         waiting = self.fetching.setdefault(room.addr, [])

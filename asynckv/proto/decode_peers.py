@@ -14,13 +14,13 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..errors import LayoutMismatch, PeerRestarted, PeerUnreachable
+from ..errors import AsyncKVError, LayoutMismatch, PeerRestarted, PeerUnreachable
 from .actions import ForgetEndpoint, PeerDown, PeerUp, Send
 from .bootstrap import PrefillRank
 from .core import Core
 from .messages import Bye, Ping, Pong, Register, RegisterResult
 from .receiver import ReceiverRoom, Registration
-from .topology import PrefillInstance
+from .topology import PrefillInstance, TargetPlan
 
 __all__ = ["RegistrationRules"]
 
@@ -35,6 +35,7 @@ class RegistrationRules(Core):
         fencing: dict[tuple[int, int], ReceiverRoom]
         registrations: dict[str, Registration]
         instances: dict[str, PrefillInstance]
+        fetched_at: dict[str, float]
         _register: Register
         _sessions: Iterator[int]
 
@@ -43,6 +44,8 @@ class RegistrationRules(Core):
         def _maybe_fenced(self, room: ReceiverRoom, now: float) -> None: ...
 
         def _maybe_send_destination(self, room: ReceiverRoom, now: float) -> None: ...
+
+        def _target_plan(self, addr: str, instance: PrefillInstance, room: int) -> TargetPlan: ...
 
     def _ensure_registration(self, rank: PrefillRank, addr: str, now: float) -> Registration:
         reg = self.registrations.get(rank.agent_id)
@@ -115,19 +118,25 @@ class RegistrationRules(Core):
                 self._maybe_fenced(room, now)
         if reg is None:
             return
-        log.log(logging.INFO if farewell else logging.WARNING, "decode: %s", error)
         self.stats["peers_dead"] += 1
         self._emit(PeerDown(peer_id, error, farewell))
         if not farewell:  # if it is alive after all, it must stop writing and forget this session
             self._emit(Send(reg.rank.endpoint, Bye(self.name, reg.session, f"declared dead: {error}")))
         self._emit(ForgetEndpoint(reg.rank.endpoint))
 
-    def _stale(self, instance: PrefillInstance, now: float) -> bool:
-        """A registered rank of the cached topology has been quiet for over 1.5 heartbeats: it may
-        have restarted, so the next room looks the instance up again (cheap: one GET)."""
-        for rank in instance.ranks.values():
+    def _stale(self, room: ReceiverRoom, instance: PrefillInstance, now: float) -> bool:
+        """The cached topology may name a rank of this room that restarted: it has been quiet for over
+        1.5 heartbeats, or it has no live session here and the look-up is older than that. The room
+        then looks the instance up again (cheap: one GET)."""
+        try:
+            ranks = self._target_plan(room.addr, instance, room.room).ranks
+        except AsyncKVError:
+            return False  # planning the room will fail it with the reason
+        limit = 1.5 * self.config.heartbeat_interval_s
+        fetched_at = self.fetched_at.get(room.addr, now)
+        for rank in ranks:
             state = self.liveness.get(rank.agent_id)
-            if state is not None and now - state.last_seen > 1.5 * self.config.heartbeat_interval_s:
+            if now - (fetched_at if state is None else state.last_seen) > limit:
                 return True
         return False
 

@@ -80,6 +80,8 @@ class PeerRules(Core):
             state = self.liveness.get(peer.name)
             if state is not None and state.session == peer.session:
                 self.liveness.remove(peer.name)
+        if self._blocked.get(peer.name) is peer:  # it never started connecting
+            del self._blocked[peer.name]
         self.retired[peer] = None
         self.stats["peers_dead"] += 1
         self._emit(PeerDown(peer.name, error, farewell))
@@ -102,8 +104,12 @@ class PeerRules(Core):
             self._emit(ForgetEndpoint(peer.endpoint))
         blocked = self._blocked.pop(peer.name, None)
         if blocked is not None and self.peers.get(peer.name) is blocked:
-            self._emit(ConnectPeer(blocked))
+            self._connect(blocked)
         self._maybe_closed()
+
+    def _connect(self, peer: DecodePeer) -> None:
+        peer.connecting = True
+        self._emit(ConnectPeer(peer))
 
     def _heartbeat(self, now: float) -> None:
         for state in self._beat(now):
@@ -146,7 +152,7 @@ class PeerRules(Core):
         if any(p.name == reg.decode_id and p.connecting for p in self.retired):
             self._blocked[reg.decode_id] = peer  # connects once the old connection is undone
         else:
-            self._emit(ConnectPeer(peer))
+            self._connect(peer)
 
     def _on_ping(self, msg: Ping, now: float) -> None:
         state = self.liveness.get(msg.sender_id)

@@ -38,8 +38,8 @@ class DecodePeer:
     lease_s: float
     started: float
     phase: PeerPhase = PeerPhase.CONNECTING
-    connecting: bool = True
-    """A ConnectPeer is outstanding (the data plane has not answered yet)."""
+    connecting: bool = False
+    """A ConnectPeer was emitted and the data plane has not answered yet."""
     posts: set[int] = dataclasses.field(default_factory=set)
     say_bye: bool = False
     bye_reason: str = ""
