@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .bootstrap import PrefillRank
-from .states import RECEIVER_POLL, RECEIVER_TRANSITIONS, Event, KVPoll, ReceiverState, transition
+from .states import RECEIVER_POLL, RECEIVER_TRANSITIONS, Event, KVPoll, Outcome, ReceiverState, transition
 from .topology import TargetPlan
 
 __all__ = ["RankProgress", "ReceiverRoom", "Registration"]
@@ -37,7 +37,7 @@ class RankProgress:
 
 
 @dataclasses.dataclass(eq=False, slots=True)
-class ReceiverRoom:
+class ReceiverRoom(Outcome):
     """The decode side of one room."""
 
     room: int
@@ -62,11 +62,6 @@ class ReceiverRoom:
 
     def poll(self) -> KVPoll:
         return RECEIVER_POLL[self.state]
-
-    @property
-    def reason(self) -> str | None:
-        exc = self.exception
-        return None if exc is None else (str(exc) or type(exc).__name__)
 
     @property
     def active(self) -> bool:

@@ -10,7 +10,7 @@ import dataclasses
 import enum
 
 from .messages import Register, TransferInfo
-from .states import SENDER_POLL, SENDER_TRANSITIONS, Event, KVPoll, SenderState, transition
+from .states import SENDER_POLL, SENDER_TRANSITIONS, Event, KVPoll, Outcome, SenderState, transition
 from .topology import PeerPlan
 
 __all__ = ["SEEN_DESTINATIONS", "DecodePeer", "Destination", "PeerPhase", "SenderRoom"]
@@ -89,7 +89,7 @@ class Destination:
 
 
 @dataclasses.dataclass(eq=False, slots=True)
-class SenderRoom:
+class SenderRoom(Outcome):
     """The prefill side of one room."""
 
     room: int
@@ -115,11 +115,6 @@ class SenderRoom:
 
     def poll(self) -> KVPoll:
         return SENDER_POLL[self.state]
-
-    @property
-    def reason(self) -> str | None:
-        exc = self.exception
-        return None if exc is None else (str(exc) or type(exc).__name__)
 
     @property
     def active(self) -> bool:

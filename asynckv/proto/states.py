@@ -22,6 +22,7 @@ from typing import TypeVar
 from ..errors import LocalProtocolError
 
 __all__ = [
+    "Outcome",
     "RECEIVER_POLL",
     "RECEIVER_TRANSITIONS",
     "SENDER_POLL",
@@ -43,6 +44,18 @@ class KVPoll(enum.IntEnum):
     WaitingForInput = 2
     Transferring = 3
     Success = 4
+
+
+class Outcome:
+    """What both room records share: the exception that failed the room, and its text."""
+
+    __slots__ = ()
+    exception: BaseException | None
+
+    @property
+    def reason(self) -> str | None:
+        exc = self.exception
+        return None if exc is None else (str(exc) or type(exc).__name__)
 
 
 class SenderState(enum.Enum):

@@ -126,3 +126,15 @@ def register_pair(c: Cluster, room: int = 100) -> None:
     for p, s in zip(c.p, ss, strict=True):
         c.w.drive(p, "clear_sender", s)
 
+
+
+def ready_room(pages: list[int], aux: int = -1, room: int = 1, config: Config = DEFAULTS
+               ) -> tuple[Cluster, SimNode, SimNode, ReceiverRoom, SenderRoom]:
+    """A registered pair with one room whose destination reached its sender (at 100 ms)."""
+    c = Cluster(config)
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    r = c.receiver(d, room, pages, aux=aux)
+    s = c.sender(p, room)
+    c.run_ms(100)
+    return c, p, d, r, s

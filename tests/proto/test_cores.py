@@ -15,16 +15,11 @@ from asynckv.proto import actions as act
 from asynckv.proto.messages import Abort, Bye, Ping, Pong, Register, Status
 from asynckv.proto.states import KVPoll, ReceiverState, SenderState
 
-from .harness import DEFAULTS, Cluster, register_pair, slow_posts
+from .harness import DEFAULTS, Cluster, ready_room, register_pair, slow_posts
 
 
 def test_1_aux_row_is_not_written_after_decode_reported_failed() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    r = c.receiver(d, 1, [3, 4], aux=2)
-    s = c.sender(p, 1)
-    c.run_ms(100)
+    c, p, d, r, s = ready_room([3, 4], aux=2)
     slow_posts(c, 50)  # the last chunk's KV and aux writes are in flight for a while
     c.send(p, s, [0, 1], aux=1)
     c.run_ms(110)
@@ -61,12 +56,7 @@ def test_2_a_chunk_waiting_for_the_byte_budget_is_never_posted_after_the_fence()
 
 
 def test_3_close_says_goodbye_only_after_its_writes_settled() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    r = c.receiver(d, 1, [3, 4], aux=2)
-    s = c.sender(p, 1)
-    c.run_ms(100)
+    c, p, _d, r, s = ready_room([3, 4], aux=2)
     slow_posts(c, 50)
     c.send(p, s, [0, 1], aux=1)
     c.run_ms(105)
@@ -159,12 +149,7 @@ def test_6_a_prefill_abort_before_the_destination_arrives_fails_decode_at_once()
 
 
 def test_7_in_flight_writes_are_cancelled_when_the_peer_goes_and_free_their_bytes() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    c.receiver(d, 1, [3, 4])
-    s = c.sender(p, 1)
-    c.run_ms(100)
+    c, p, d, _, s = ready_room([3, 4])
     c.w.mix = dataclasses.replace(c.w.mix, post_stall=1.0)  # the write never completes by itself
     c.send(p, s, [0, 1])
     c.run_ms(105)
@@ -178,12 +163,7 @@ def test_7_in_flight_writes_are_cancelled_when_the_peer_goes_and_free_their_byte
 
 
 def test_7b_a_write_stalled_past_its_lease_is_cancelled_at_the_lease() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    c.receiver(d, 1, [3, 4])
-    s = c.sender(p, 1)
-    c.run_ms(100)
+    c, p, d, _, s = ready_room([3, 4])
     c.w.mix = dataclasses.replace(c.w.mix, post_stall=1.0)
     c.send(p, s, [0, 1])
     c.w.stop(d, 10.0)  # no more pongs: the lease granted by the last one runs out
@@ -195,12 +175,7 @@ def test_7b_a_write_stalled_past_its_lease_is_cancelled_at_the_lease() -> None:
 
 
 def test_8_a_fence_timeout_waits_for_the_silenced_prefills_last_lease() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    r = c.receiver(d, 1, [3, 4])
-    c.sender(p, 1)
-    c.run_ms(100)
+    c, _p, d, r, _ = ready_room([3, 4])
     # A slow-but-alive prefill: it never hears this room's Abort, nor decode's goodbye.
     c.hold(lambda node, ep, m: None if isinstance(m, (Abort, Bye)) else 0.0)
     c.w.drive(d, "abort_receiver", r, Aborted("client went away"))
@@ -215,12 +190,7 @@ def test_8_a_fence_timeout_waits_for_the_silenced_prefills_last_lease() -> None:
 
 
 def test_9_snapshots_are_plain_json_with_rooms_in_flight() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    c.receiver(d, 1, [3, 4])
-    s = c.sender(p, 1)
-    c.run_ms(100)
+    c, p, d, _, s = ready_room([3, 4])
     slow_posts(c, 50)
     c.send(p, s, [0, 1])
     c.run_ms(110)
@@ -231,12 +201,7 @@ def test_9_snapshots_are_plain_json_with_rooms_in_flight() -> None:
 
 
 def test_10_a_late_abort_after_both_clears_leaves_nothing_behind() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    r = c.receiver(d, 1, [3, 4])
-    s = c.sender(p, 1)
-    c.run_ms(100)
+    c, p, d, r, s = ready_room([3, 4])
     c.send(p, s, [0, 1])  # lands at 101.05; Status(ok) reaches decode at 102.05
     c.run_ms(101.5)
     c.w.drive(d, "abort_receiver", r, Aborted("client went away"))  # crosses the Status
@@ -251,12 +216,7 @@ def test_10_a_late_abort_after_both_clears_leaves_nothing_behind() -> None:
 
 
 def test_10b_decode_sends_no_abort_to_a_rank_that_reported_the_failure() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    r = c.receiver(d, 1, [3, 4])
-    s = c.sender(p, 1)
-    c.run_ms(100)
+    c, p, d, r, s = ready_room([3, 4])
     c.w.drive(p, "abort_sender", s, Aborted("prefill OOM"))
     c.w.drive(p, "clear_sender", s)
     c.run_ms(150)
@@ -267,12 +227,7 @@ def test_10b_decode_sends_no_abort_to_a_rank_that_reported_the_failure() -> None
 
 
 def test_11_a_dead_peer_is_forgotten_only_after_its_writes_are_cancelled_and_none_follow() -> None:
-    c = Cluster()
-    register_pair(c)
-    p, d = c.p[0], c.d[0]
-    c.receiver(d, 1, [3, 4])
-    s = c.sender(p, 1)
-    c.run_ms(100)
+    c, p, d, _, s = ready_room([3, 4])
     c.w.mix = dataclasses.replace(c.w.mix, post_stall=1.0)
     c.send(p, s, [0, 1])
     c.run_ms(105)
