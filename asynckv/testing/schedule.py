@@ -49,9 +49,10 @@ def run_seed(seed: int, *, trace: bool = False, config: Config = SIM_CONFIG) -> 
     world.mix = FaultMix(loss=rng.choice((0, 0, 0.01, 0.05)), dup=rng.choice((0, 0, 0.02)),
                          delay_ms=(0.05, rng.choice((1.0, 5.0, 30.0))), spike=rng.choice((0, 0.01, 0.05)),
                          post_fail=rng.choice((0, 0.02, 0.1)), post_stall=rng.choice((0, 0, 0.03)),
-                         post_slow=rng.choice((0, 0.05)), connect_fail=rng.choice((0, 0, 0.1)))
+                         post_slow=rng.choice((0, 0.05)), connect_fail=rng.choice((0, 0, 0.1)),
+                         async_posts=rng.random() < 0.3)
     if rng.random() < 0.3:  # writes wait for the in-flight byte budget
-        world.config = dataclasses.replace(config, max_inflight_bytes=rng.choice((16, 64, 256)))
+        world.config = dataclasses.replace(world.config, max_inflight_bytes=rng.choice((16, 64, 256)))
     driver = Driver(world)
     driver.reuse = rng.choice((0.0, 0.2, 0.5))
     driver.build()

@@ -75,6 +75,9 @@ class FaultMix:
     """How long importing a peer and the warm-up write take."""
     route_ms: tuple[float, float] = (0.5, 5.0)
     """How long a topology look-up (``GET /route``) takes."""
+    async_posts: bool = False
+    """The transport completes handles on its own (RDMA, TCP): writes run side by side, not one
+    engine copy at a time (CMA)."""
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)

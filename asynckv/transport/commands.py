@@ -36,8 +36,13 @@ class PostCmd:
     """Checked against the peer's write lease (the warm-up write into scratch is not)."""
     fut: asyncio.Future[None] | None = None
     """Set for internal posts the loop awaits (warm-up); others report through on_settled."""
-    handles: list[Any] = dataclasses.field(default_factory=list)
+    handle: Any = None
+    """The handle in flight (NIXL cannot stop it: the post settles when it finishes)."""
+    next_piece: int = 0
+    """Index in ``write.pieces`` of the next handle to start."""
     deadline: float = 0.0
+    stop: BaseException | None = None
+    """Why the post may start nothing more and will settle with an error (cancel, lease, peer, failure)."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -14,20 +14,26 @@ UCX over loopback, DRAM):
   deadline; releasing a ``PROC`` handle cancels it.
 
 The loop hands commands over a queue; settled posts come back in one
-``call_soon_threadsafe`` per progress round. Each post is a series of handles; before each
-handle starts, the post's write lease and the cancel set are checked, so a cancelled or
-lease-lapsed post lands at most the handle already copying.
+``call_soon_threadsafe`` per progress round. Each post is a series of handles with at most
+one in flight at a time (with CMA the copy happens inside ``transfer()``; over TCP the next
+handle starts when the previous one completed); before each handle starts, the post's write
+lease and the cancel set are checked, so a cancelled or lease-lapsed post lands at most the
+handle already in flight. (Posting every handle at once let a slow TCP post land bytes for
+seconds past its lease in the simulator.)
 
-NIXL cannot cancel a transfer in flight safely: releasing a handle that is still ``PROC``
-lets UCX complete the request later into freed memory (NIXL issue 2067), and tearing the
-agent down with such requests queued to a stopped peer over TCP aborted the process with
-a double free in ``uct_tcp_ep_destroy`` (9 of 10 runs). So a settled post's handles that
-are still in flight are *parked*: polled each round and released once they complete or
-fail. A peer is forgotten, and the plane closed, in one sequence on this thread: its
-handles settle (parked if still in flight), then its prepared dlist is released and its
-agent removed (after its parked handles drained), then memory is deregistered. If handles
-are still parked at close (a peer stopped for good), memory stays registered and the agent
-is kept alive until the process exits rather than torn down under them.
+NIXL cannot cancel a transfer in flight: releasing a handle that is still ``PROC`` lets
+UCX complete the request later into freed memory (NIXL issue 2067), its bytes may still
+land (over TCP, 11 of 80 aborted rooms had bytes land after decode was told), and tearing
+the agent down with such requests queued to a stopped peer over TCP aborted the process
+with a double free in ``uct_tcp_ep_destroy`` (9 of 10 runs). So a post that is cancelled,
+loses its lease or its peer *stops*: it starts no further handle, and it settles (with the
+error) only once the handle already in flight completed or failed. Only a post still
+unfinished at its deadline settles with a handle in flight; those are *parked*, polled each
+round and released once they complete or fail. A peer is forgotten, and the plane closed,
+in one sequence on this thread: its posts stop, its prepared dlist is released and its
+agent removed once nothing of it is in flight or parked, then memory is deregistered. If
+handles are still parked at close (a peer stopped for good), memory stays registered and
+the agent is kept alive until the process exits rather than torn down under them.
 """
 
 from __future__ import annotations
@@ -157,21 +163,17 @@ class NixlEngine:
         """Settle the peer's posts, then release its dlist and remove its agent (once its parked
         handles drained): in that order."""
         reason = PeerUnreachable(f"peer {peer[:8]} forgotten")
-        still = []
         for post in self._in_flight:
             if post.peer == peer:
-                self._finish(post, reason, done)
-            else:
-                still.append(post)
-        self._in_flight = still
+                post.stop = post.stop or reason
         if peer not in self._remote:
             return
         self._retired.setdefault(peer, []).append(self._remote.pop(peer))
         self._retire_drained()
 
     def _retire_drained(self) -> None:
-        """Release the dlists and remove the agents of forgotten peers that have nothing parked."""
-        busy = {peer for peer, _ in self._parked}
+        """Release the dlists and remove the agents of forgotten peers with nothing in flight or parked."""
+        busy = {peer for peer, _ in self._parked} | {post.peer for post in self._in_flight}
         for peer in [p for p in self._retired if p not in busy]:
             for dlist in self._retired.pop(peer):
                 if dlist is not None:
@@ -203,15 +205,18 @@ class NixlEngine:
     def _shutdown(self) -> None:
         done: list[Any] = []
         for post in self._in_flight:
-            self._finish(post, ClosedError("data plane closed"), done)
-        self._in_flight = []
+            post.stop = post.stop or ClosedError("data plane closed")
         for peer in list(self._remote):
             self._forget(peer, done)
-        deadline = time.monotonic() + (SETTLE_AT_CLOSE_S if self._parked else 0.0)
-        while self._parked and time.monotonic() < deadline:
+        deadline = time.monotonic() + (SETTLE_AT_CLOSE_S if self._parked or self._in_flight else 0.0)
+        while (self._parked or self._in_flight) and time.monotonic() < deadline:
             self._agent.get_new_notifs()
+            self._check_in_flight(time.monotonic(), done)
             self._poll_parked()
             time.sleep(0.001)
+        for post in self._in_flight:  # stuck (a stopped peer): park what is still in flight
+            self._finish(post, post.stop, done)
+        self._in_flight = []
         if self._parked:  # a peer stopped for good: tearing down under its transfers would crash
             log.warning("data plane %s: %d transfers still in flight to stopped peers at close; keeping the "
                         "NIXL agent (and its memory registrations) until the process exits", self.name,
@@ -298,26 +303,40 @@ class NixlEngine:
         return None
 
     def _start(self, post: PostCmd, done: list[Any]) -> None:
-        """Create and post the handles one by one, checking the lease and cancel set before each."""
-        agent = self._agent
         post.deadline = time.monotonic() + post.timeout_s
-        try:
-            for piece in post.write.pieces:
-                refusal = self._refusal(post, time.monotonic())
-                if refusal is not None:
-                    raise refusal
-                handle = self._handle(post.peer, piece)
-                post.handles.append(handle)
-                if agent.transfer(handle) == "DONE":  # CMA: the copy happened inside the call
-                    post.handles.pop()
-                    agent.release_xfer_handle(handle)
-        except BaseException as exc:
-            self._finish(post, map_nixl_error(exc, f"post {post.post_id}"), done)
-            return
-        if post.handles:
-            self._in_flight.append(post)
+        self._advance(post, time.monotonic())
+        if post.handle is not None:
+            self._in_flight.append(post)  # settles when its handle finishes (with post.stop if it stopped)
         else:
-            self._finish(post, None, done)
+            self._finish(post, post.stop, done)
+
+    def _advance(self, post: PostCmd, now: float) -> None:
+        """Post the next handles of ``post``, checking the lease and cancel set before each, until
+        one is left in flight (TCP) or none is left. One handle in flight at a time bounds what a
+        cancelled or lease-lapsed post can still land to that one handle, over every transport."""
+        agent, pieces = self._agent, post.write.pieces
+        while post.handle is None and post.stop is None and post.next_piece < len(pieces):
+            post.stop = self._refusal(post, now)
+            if post.stop is not None:
+                return
+            piece = pieces[post.next_piece]
+            post.next_piece += 1
+            try:
+                handle = self._handle(post.peer, piece)
+            except BaseException as exc:
+                post.stop = map_nixl_error(exc, f"post {post.post_id}")
+                return
+            try:
+                state = agent.transfer(handle)
+            except BaseException as exc:  # it failed: it holds nothing in UCX any more
+                post.stop = map_nixl_error(exc, f"post {post.post_id}")
+                self._release(handle)
+                return
+            if state == "DONE":  # CMA: the copy happened inside the call
+                self._release(handle)
+            else:
+                post.handle = handle
+            now = time.monotonic()
 
     def _handle(self, peer: str, piece: PreppedPiece | DescPiece) -> Any:
         agent = self._agent
@@ -330,50 +349,54 @@ class NixlEngine:
                                      agent.get_xfer_descs(piece.dst, piece.dst_kind), peer)
 
     def _apply_cancel(self, cmd: Cancel, done: list[Any]) -> None:
-        still = []
-        for post in self._in_flight:
+        in_flight = {post.post_id for post in self._in_flight}
+        for post in self._in_flight:  # (their handles cannot be stopped: they settle when done)
             if post.post_id in self._cancelled:
-                self._finish(post, cmd.reason, done)
-            else:
-                still.append(post)
-        self._in_flight = still
+                post.stop = post.stop or cmd.reason
         for post_id in cmd.post_ids:  # cancels of posts that settled meanwhile
-            if not any(p.post_id == post_id for p in still):
+            if post_id not in in_flight:
                 self._cancelled.pop(post_id, None)
 
     def _check_in_flight(self, now: float, done: list[Any]) -> None:
-        agent = self._agent
         still = []
         for post in self._in_flight:
-            try:
-                refusal = self._refusal(post, now)
-                if refusal is not None:
-                    raise refusal
-                post.handles = [h for h in post.handles if self._pending(agent, h)]
-            except BaseException as exc:
-                self._finish(post, map_nixl_error(exc, f"post {post.post_id}"), done)
-                continue
-            if not post.handles:
-                self._finish(post, None, done)
+            post.stop = post.stop or self._refusal(post, now)
+            if post.handle is not None and not self._pending(post, post.handle):
+                post.handle = None
+                self._advance(post, now)
+            if post.handle is None:
+                self._finish(post, post.stop, done)
             elif now > post.deadline:
                 self._finish(post, TransferTimeout(
                     f"post {post.post_id}: not done after {post.timeout_s:.1f}s (peer stopped?)"), done)
             else:
                 still.append(post)
         self._in_flight = still
+        if self._retired:
+            self._retire_drained()
 
-    @staticmethod
-    def _pending(agent: Any, handle: Any) -> bool:
-        if agent.check_xfer_state(handle) != "DONE":
-            return True
-        agent.release_xfer_handle(handle)
+    def _pending(self, post: PostCmd, handle: Any) -> bool:
+        """Whether ``handle`` is still in flight; a finished one is released (a failed one stops the post)."""
+        try:
+            if self._agent.check_xfer_state(handle) != "DONE":
+                return True
+        except BaseException as exc:
+            post.stop = post.stop or map_nixl_error(exc, f"post {post.post_id}")
+        self._release(handle)
         return False
 
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            log.warning("release_xfer_handle failed", exc_info=True)
+
     def _finish(self, post: PostCmd, error: BaseException | None, done: list[Any]) -> None:
-        """Report the post once. Its handles still in flight are parked (see the module docstring):
-        none starts again, and each is released once it completes or fails."""
-        self._parked.extend((post.peer, handle) for handle in post.handles)
-        post.handles = []
+        """Report the post once. Handles still in flight (only past the deadline or at close) are
+        parked: polled and released once they complete or fail (see the module docstring)."""
+        if post.handle is not None:
+            self._parked.append((post.peer, post.handle))
+            post.handle = None
         self._cancelled.pop(post.post_id, None)
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
 

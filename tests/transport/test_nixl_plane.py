@@ -27,6 +27,8 @@ class FakeAgent:
         self.live: set[int] = set()
         self.released: set[int] = set()
         self.finish = False
+        self.done: set[int] = set()
+        """Handles that completed (all do once ``finish`` is set)."""
         self.copy_s = 0.0
         """How long transfer() blocks (a CMA copy happens inside the call)."""
         self._next = 0
@@ -81,10 +83,10 @@ class FakeAgent:
 
     def check_xfer_state(self, h: int) -> str:
         self._use("check_xfer_state", h)
-        return "DONE" if self.finish else "PROC"
+        return "DONE" if self.finish or h in self.done else "PROC"
 
     def release_xfer_handle(self, h: int) -> None:
-        if not self.finish:
+        if not (self.finish or h in self.done):
             raise AssertionError(f"release_xfer_handle of {h} while it is still in flight")
         self._release("release_xfer_handle", h)
 
@@ -125,18 +127,19 @@ async def until(cond: Any, timeout: float = 2.0) -> None:
         await asyncio.sleep(0.002)
 
 
-async def test_a_forgotten_peers_write_in_flight_is_parked_and_its_agent_removed_once_it_completes() -> None:
+async def test_a_forgotten_peers_write_settles_only_once_its_handles_finished_then_the_agent_goes() -> None:
     agent = FakeAgent()
     plane, settled = await started(agent)
     plane.post(1, "peer", prepped(), 30.0)
     await until(lambda: plane.posts_in_flight == 1)
     plane.forget_peer("peer")
-    await until(lambda: settled)
-    assert settled[0][0] == 1 and isinstance(settled[0][1], PeerUnreachable)  # settled at once...
     await asyncio.sleep(0.05)
+    assert settled == []  # its bytes may still land: it has not settled (NIXL cannot stop the handle)
     names = [c[0] for c in agent.calls]
-    assert "release_xfer_handle" not in names and "remove_remote_agent" not in names  # ...but nothing torn down
-    agent.finish = True  # the transfer completes (the peer resumed, or failed)
+    assert "release_xfer_handle" not in names and "remove_remote_agent" not in names  # nothing torn down
+    agent.finish = True  # the transfer completes
+    await until(lambda: settled)
+    assert settled[0][0] == 1 and isinstance(settled[0][1], PeerUnreachable)  # settles, as failed, after
     await until(lambda: any(c[0] == "remove_remote_agent" for c in agent.calls))
     await plane.close()
     names = [c[0] for c in agent.calls]
@@ -189,12 +192,15 @@ async def test_a_cancelled_write_never_starts_and_a_lapsed_lease_stops_one_in_fl
     plane.post(8, "peer", prepped(), 30.0)
     await until(lambda: plane.posts_in_flight == 1)
     plane.set_lease("peer", time.monotonic() - 1)  # the lease ran out while it was in flight
+    plane.post(9, "peer", prepped(), 30.0)  # no new handle starts without a lease
     await until(lambda: len(settled) == 3)
-    assert settled[2][0] == 8 and "write lease" in str(settled[2][1])
-    plane.post(9, "peer", prepped(), 30.0)  # and no new handle starts without a lease
+    assert settled[2][0] == 9 and "write lease" in str(settled[2][1])
+    assert sum(n == "make_prepped_xfer" for n, _ in agent.calls) == 2
+    await asyncio.sleep(0.05)
+    assert len(settled) == 3  # 8 is still copying: it settles when its handle is done, not before
+    agent.finish = True
     await until(lambda: len(settled) == 4)
-    assert "write lease" in str(settled[3][1]) and sum(n == "make_prepped_xfer" for n, _ in agent.calls) == 2
-    agent.finish = True  # the parked one completes: now it is released
+    assert settled[3][0] == 8 and "write lease" in str(settled[3][1])
     await plane.close()
     assert agent.live == agent.released
 
@@ -208,3 +214,25 @@ async def test_each_handle_of_a_write_checks_the_lease_before_it_starts() -> Non
     await until(lambda: settled)
     assert settled == [(1, None)] and sum(n == "initialize_xfer" for n, _ in agent.calls) == 3
     await plane.close()
+
+
+async def test_a_write_over_tcp_keeps_one_handle_in_flight_so_a_cancel_stops_it_after_that_one() -> None:
+    agent = FakeAgent()  # handles complete asynchronously (TCP, RDMA): transfer() returns PROC
+    plane, settled = await started(agent)
+    pieces = tuple(DescPiece(rows(1), rows(1), "DRAM", "DRAM") for _ in range(3))
+    plane.post(1, "peer", Write(pieces, 3, 192), 30.0)
+    made = lambda: [h for n, h in agent.calls if n == "initialize_xfer"]  # noqa: E731
+    await until(lambda: len(made()) == 1)
+    await asyncio.sleep(0.02)
+    assert len(made()) == 1  # the second handle waits for the first
+    agent.done.add(made()[0])
+    await until(lambda: len(made()) == 2)
+    plane.cancel([1], TransferTimeout("aborted by decode"))  # while the second is in flight
+    await asyncio.sleep(0.02)
+    assert settled == []  # its bytes may still land: it settles once that handle is done
+    agent.done.add(made()[1])
+    await until(lambda: settled)
+    assert settled[0][0] == 1 and "aborted by decode" in str(settled[0][1])
+    assert len(made()) == 2  # the third handle never started
+    await plane.close()
+    assert agent.live == agent.released
