@@ -119,6 +119,8 @@ class DecodeCore(RegistrationRules):
         for room in waiting:
             if room.state is ReceiverState.RESOLVING:
                 self._plan_room(room, result, now)
+            elif room.plan is None:  # failed while the look-up was on its way
+                self._abort_unplanned(room, result)
 
     def close(self, now: float) -> None:
         """Fail every room; ``Closed`` follows once every room is fenced, then goodbyes are queued."""
@@ -250,9 +252,14 @@ class DecodeCore(RegistrationRules):
         room.exception = error
         log.info("room %d failing: %s", room.room, error)
         reason = str(error) or type(error).__name__
+        required = room.plan.required_dst_info_num if room.plan is not None else 1
         for prog in room.ranks.values():  # dummies and ranks that never got the destination too:
             if not prog.done and prog.fenced_at is None:  # their senders fail now, not at their timeout
-                self._emit(Send(prog.rank.endpoint, Abort(room.room, room.epoch, self.name, prog.sent, reason)))
+                abort = Abort(room.room, room.epoch, self.name, prog.sent, required, reason)
+                self._emit(Send(prog.rank.endpoint, abort))
+        instance = self.instances.get(room.addr)
+        if room.plan is None and instance is not None:
+            self._abort_unplanned(room, instance)
         if any(p.may_write for p in room.ranks.values()):
             room.move(Event.FAILED_MAY_BE_WRITTEN)
             self.deadlines.arm(room, now + self.config.fence_timeout_s)
@@ -262,6 +269,19 @@ class DecodeCore(RegistrationRules):
             self._finish(room, now)
         if was_resolving:
             self._emit(InitDone(room))
+
+    def _abort_unplanned(self, room: ReceiverRoom, instance: PrefillInstance) -> None:
+        """A room that failed before its ranks were known (aborted before or during ``init``): its
+        senders may exist already, so each target rank hears an Abort now rather than waiting for
+        its bootstrap timeout."""
+        try:
+            plan = self._target_plan(room.addr, instance, room.room)
+        except (LayoutMismatch, RemoteProtocolError):
+            return
+        reason = room.reason or "aborted"
+        for target in plan.targets:
+            abort = Abort(room.room, room.epoch, self.name, False, plan.required_dst_info_num, reason)
+            self._emit(Send(target.rank.endpoint, abort))
 
     def _maybe_fenced(self, room: ReceiverRoom, now: float) -> None:
         if room.state is not ReceiverState.FENCING:

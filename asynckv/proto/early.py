@@ -6,7 +6,8 @@
   destinations arrived, so a destination arriving later is answered ``Status(ok=False)`` at
   once instead of waiting for decode's timeout.
 
-Bounded by count and by age (``ttl_s``), oldest first.
+Bounded by count and by age (``ttl_s``), oldest first; when full, records without destinations
+make room first.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ class EarlyRoom:
 
 
 class EarlyTable:
-    def __init__(self, max_rooms: int, ttl_s: float) -> None:
+    def __init__(self, max_rooms: int, ttl_s: float, stats: collections.Counter[str]) -> None:
         self.max_rooms = max_rooms
         self.ttl_s = ttl_s
         self._rooms: collections.OrderedDict[int, EarlyRoom] = collections.OrderedDict()
-        self.expired = 0
+        self.stats = stats
+        """Counts ``early_expired`` and ``early_evicted`` records."""
 
     def __len__(self) -> int:
         return len(self._rooms)
@@ -50,13 +52,19 @@ class EarlyTable:
         return self._rooms.pop(room, None)
 
     def get_or_add(self, room: int, now: float) -> EarlyRoom | None:
-        """The record of ``room``, made if needed; None when the table is full."""
+        """The record of ``room``, made if needed. When the table is full the oldest record without
+        destinations goes (notices and aborts only make failures faster; a destination is needed
+        to transfer at all); None when every record holds destinations."""
         early = self._rooms.get(room)
         if early is not None:
             return early
         self.expire(now)
         if len(self._rooms) >= self.max_rooms:
-            return None
+            victim = next((r for r, e in self._rooms.items() if not e.infos), None)
+            if victim is None:
+                return None
+            del self._rooms[victim]
+            self.stats["early_evicted"] += 1
         early = self._rooms[room] = EarlyRoom(now + self.ttl_s)
         return early
 
@@ -66,7 +74,7 @@ class EarlyTable:
             if early.deadline > now:
                 return
             del self._rooms[room]
-            self.expired += 1
+            self.stats["early_expired"] += 1
 
     def clear(self) -> None:
         self._rooms.clear()

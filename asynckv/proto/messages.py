@@ -213,12 +213,15 @@ class Abort(Message):
 
     TYPE: ClassVar[int] = 5
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("room", "room"), ("epoch", "uint"), ("decode_id", "str"), ("destination_sent", "bool"), ("reason", "str"))
+        ("room", "room"), ("epoch", "uint"), ("decode_id", "str"), ("destination_sent", "bool"),
+        ("required", "uint"), ("reason", "str"))
     room: int
     epoch: int
     decode_id: str
     destination_sent: bool
     """Decode sent this rank the room's TransferInfo before this Abort (on the same ordered channel)."""
+    required: int
+    """How many decode ranks send this prefill rank the room's destination (as in TransferInfo)."""
     reason: str
 
 

@@ -66,7 +66,7 @@ class PrefillCore(PeerRules, WriteRules):
         """Dropped peers whose posts or connection are still settling; ordered."""
         self._blocked: dict[str, DecodePeer] = {}
         """New sessions waiting for the previous session's connection to finish."""
-        self.early = EarlyTable(config.max_early_infos, config.early_info_ttl_s)
+        self.early = EarlyTable(config.max_early_infos, config.early_info_ttl_s, self.stats)
         self._handlers.update({
             Register: self._on_register, TransferInfo: self._on_transfer_info, Abort: self._on_abort,
             Ping: self._on_ping, Pong: self._on_pong, Bye: self._on_bye,
@@ -86,9 +86,7 @@ class PrefillCore(PeerRules, WriteRules):
                 self.fail(room, BootstrapTimeout(
                     f"room {room.room}: no destination from decode after {self.config.bootstrap_timeout_s:.1f}s "
                     f"({len(room.destinations)}/{room.required or 1} decode ranks)"), now)
-        expired = self.early.expired
         self.early.expire(now)
-        self.stats["early_expired"] += self.early.expired - expired
         if self._beat_due(now):
             self._heartbeat(now)
 
@@ -243,6 +241,7 @@ class PrefillCore(PeerRules, WriteRules):
             why = room.reason if room.exception is not None else "it already has its destinations"
             self._status(peer, room.room, info.epoch, False,
                          f"room {room.room} is {room.state.value} on this prefill rank: {why}")
+            self._answered(room, info.decode_id, info.epoch, info.required_dst_info_num)
             return
         room.destinations[info.decode_id] = Destination(info, peer)
         try:
@@ -298,8 +297,10 @@ class PrefillCore(PeerRules, WriteRules):
             del early.infos[msg.decode_id]  # its destination waited for a sender: never used now
             early.aborts[msg.decode_id] = reason
         elif current is not None and not self._later_request(current, msg.decode_id, msg.epoch):
-            if not msg.destination_sent and current.active and msg.decode_id not in current.destinations:
-                self.fail(current, Aborted(reason), now)  # the abort came before that decode's destination
+            if msg.decode_id not in current.destinations:  # the abort came before that decode's destination
+                if not msg.destination_sent:
+                    self.fail(current, Aborted(reason), now)
+                self._answered(current, msg.decode_id, msg.epoch, msg.required)
         elif early is not None and early.failed is not None and current is None:
             early.answered[msg.decode_id] = msg.epoch
         elif not msg.destination_sent:  # a sender created later fails at once instead of at its timeout
@@ -345,16 +346,24 @@ class PrefillCore(PeerRules, WriteRules):
             self.draining.pop(room, None)
             self._retire(room, now)
 
+    @staticmethod
+    def _answered(room: SenderRoom, decode_id: str, epoch: int, required: int) -> None:
+        """``decode_id`` is not a destination of ``room`` but needs nothing more from it."""
+        room.answered[decode_id] = epoch
+        if room.required is None:
+            room.required = required
+
     def _retire(self, room: SenderRoom, now: float) -> None:
         """A cleared room with nothing in flight; leave a failure notice for destinations still to come."""
         if room.exception is None or room.room in self.rooms:
             return
-        if room.required is not None and len(room.destinations) >= room.required:
-            return
+        answered = {**room.answered, **{d: dest.epoch for d, dest in room.destinations.items()}}
+        if room.required is not None and len(answered) >= room.required:
+            return  # every decode rank of the room was told or needs nothing: no notice to leave
         early = self.early.get_or_add(room.room, now)
         if early is not None:
             early.failed = room.reason
-            early.answered = {d: dest.epoch for d, dest in room.destinations.items()}
+            early.answered = answered
             early.required = room.required
 
     def _check_page_counts(self, room: SenderRoom, now: float) -> None:

@@ -98,7 +98,10 @@ class SenderRoom(Outcome):
     deadline: float | None = None
     destinations: dict[str, Destination] = dataclasses.field(default_factory=dict)
     required: int | None = None
-    """How many decode ranks send a destination (from their TransferInfo)."""
+    """How many decode ranks send a destination (from their TransferInfo or Abort)."""
+    answered: dict[str, int] = dataclasses.field(default_factory=dict)
+    """decode_id -> epoch of decode ranks that are not destinations yet need nothing more: a late
+    destination was answered with the failure, or the decode aborted before sending one."""
     num_pages: int | None = None
     aux_index: int = -1
     cursor: int = 0

@@ -82,6 +82,9 @@ class KVManager:
         self._my_rank: PrefillRank | None = None
         self._started = False
         self._closed = False
+        self._pump_closed = False
+        """The service finished closing: messages are dropped from then on (until then they are fed:
+        closing waits for peers' answers)."""
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -199,6 +202,7 @@ class KVManager:
         if self._svc is not None:
             bound = cfg.fence_timeout_s + cfg.heartbeat_interval_s * cfg.heartbeat_max_failures + 1.0
             await self._svc.close(bound)
+        self._pump_closed = True
         if self._my_rank is not None and self.bootstrap_addr is not None:
             await self._http.unregister(self.bootstrap_addr, self._my_rank)
         await self._http.close()
@@ -246,7 +250,7 @@ class KVManager:
     # -- peers and messages ------------------------------------------------------------------
 
     def _on_message(self, msg: Message) -> None:
-        if self._svc is not None and not self._closed:
+        if self._svc is not None and not self._pump_closed:
             self._svc.feed("receive", msg)
 
     def _on_version_mismatch(self, exc: VersionMismatch) -> None:

@@ -175,6 +175,25 @@ async def test_6_a_prefill_abort_before_the_destination_arrives_fails_decode_at_
         pair.assert_no_room_state()
 
 
+async def test_a_decode_closing_mid_transfer_hears_the_prefills_answers_and_blames_nobody() -> None:
+    async with make_pair() as pair:
+        assert await transfer_room(pair, 1, [0], [0]) == (KVPoll.Success, KVPoll.Success)
+        injector = FaultInjector()
+        inject(pair.prefill, injector)
+        injector.delay_posts(0.3)  # the write is in flight when decode closes
+        fill_pages(pair.ppool, 2, [0, 1])
+        receiver = pair.decode.receiver(pair.addr, 2)
+        await receiver.init([3, 4])
+        sender = pair.prefill.sender(2)
+        await sender.wait_ready(5)
+        sender.init(2)
+        await sender.send([0, 1])
+        await asyncio.wait_for(pair.decode.close(), 2.0)  # it waits for prefill's answer, not 3.5 s of silence
+        assert receiver.poll() == KVPoll.Failed and "closed" in (receiver.failure_reason or "")
+        assert await sender.wait(5) == KVPoll.Failed and "aborted by decode" in (sender.failure_reason or "")
+        assert pair.decode.stats.get("peers_dead", 0) == 0  # the prefill answered: it was never declared dead
+
+
 @pytest.mark.slow
 async def test_11_closing_after_a_stopped_decode_was_declared_dead_never_crashes_over_tcp() -> None:
     """UCX over TCP, decode SIGSTOPped with writes in flight, declared dead, prefill closes: the

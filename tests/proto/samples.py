@@ -47,7 +47,7 @@ SAMPLES: dict[str, Message] = {
     "pong": Pong(sender_id="9c1e-prefill", session=3, seq=17),
     "bye": Bye(sender_id="9c1e-prefill", session=3, reason="manager closed"),
     "abort": Abort(room=12345678901234, epoch=78, decode_id="0b6f3a52-decode", destination_sent=True,
-                   reason="aborted by decode"),
+                   required=2, reason="aborted by decode"),
 }
 
 

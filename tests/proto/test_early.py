@@ -1,0 +1,121 @@
+"""Rooms that end before their destination reached prefill: the sender hears of it at once, and
+nothing of the room outlives it in prefill's early table once every decode rank was answered
+(scripted runs, simulated milliseconds)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from asynckv.errors import Aborted
+from asynckv.proto.early import EarlyTable
+from asynckv.proto.messages import Abort, Status, TransferInfo
+from asynckv.proto.sender import DecodePeer, Destination
+from asynckv.proto.states import ReceiverState, SenderState
+
+from .harness import Cluster, register_pair
+
+
+def empty_tables(*nodes: object) -> bool:
+    return all(all(v == 0 for v in node.core.room_counts().values()) for node in nodes)  # type: ignore[attr-defined]
+
+
+def test_a_sender_that_failed_before_its_destination_and_answered_it_leaves_no_notice() -> None:
+    c = Cluster()
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    s = c.sender(p, 9)
+    c.w.drive(p, "abort_sender", s, Aborted("prefill gave up"))  # not cleared yet
+    r = c.receiver(d, 9, [1, 2])  # the destination reaches prefill at 41 ms: answered at once
+    c.run_ms(60)
+    assert r.state is ReceiverState.FAILED and c.finished_ms(r) == 42.0
+    c.w.drive(p, "clear_sender", s)
+    c.w.drive(d, "clear_receiver", r)
+    assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())  # no notice left for ttl
+    c.check()
+
+
+def test_a_decode_abort_before_its_destination_fails_the_sender_at_once_and_leaves_nothing() -> None:
+    c = Cluster()  # a cold pair: the decode is still registering when it aborts
+    p, d = c.p[0], c.d[0]
+    s = c.sender(p, 5)
+    r = c.receiver(d, 5, [0, 1, 2, 3])
+    c.run_ms(2)  # topology known, Register on its way
+    c.w.drive(d, "abort_receiver", r, Aborted("client went away"))
+    c.run_ms(20)
+    [(_, abort)] = c.sent(d, Abort)
+    assert not abort.destination_sent and abort.required == 1
+    assert s.state is SenderState.FAILED and c.finished_ms(s) == 3.0  # not at the bootstrap timeout
+    assert r.state is ReceiverState.FAILED
+    c.w.drive(p, "clear_sender", s)
+    c.w.drive(d, "clear_receiver", r)
+    assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())
+    c.check()
+
+
+def test_a_receiver_aborted_before_init_fails_its_sender_at_once() -> None:
+    c = Cluster()
+    register_pair(c)  # the prefill's topology is known
+    p, d = c.p[0], c.d[0]
+    s = c.sender(p, 7)
+    r = c.w.drive(d, "open_receiver", c.w.addr(0), 7)
+    c.w.drive(d, "abort_receiver", r, Aborted("request cancelled"))  # init() never called
+    c.run_ms(60)
+    [(sent_ms, abort)] = c.sent(d, Abort)
+    assert sent_ms == 40.0 and not abort.destination_sent
+    assert s.state is SenderState.FAILED and c.finished_ms(s) == 41.0 and "request cancelled" in s.reason
+    c.w.drive(p, "clear_sender", s)
+    c.w.drive(d, "clear_receiver", r)
+    assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())
+
+
+def test_a_receiver_aborted_while_its_topology_look_up_is_in_flight_fails_its_sender() -> None:
+    c = Cluster()  # cold: init() starts the look-up
+    p, d = c.p[0], c.d[0]
+    s = c.sender(p, 7)
+    r = c.receiver(d, 7, [1, 2])
+    c.w.drive(d, "abort_receiver", r, Aborted("request cancelled"))  # the look-up answers at 1 ms
+    c.run_ms(60)
+    [(sent_ms, _)] = c.sent(d, Abort)
+    assert sent_ms == 1.0 and s.state is SenderState.FAILED and c.finished_ms(s) == 2.0
+    c.check()
+
+
+def test_a_notice_waits_for_the_other_decode_rank_and_answers_it_at_once() -> None:
+    c = Cluster(prefill_tp=1, decode_tp=2)  # two decode ranks send prefill rank 0 a destination
+    register_pair(c)
+    p, (d0, d1) = c.p[0], c.d
+    s = c.sender(p, 9)
+    c.w.drive(p, "abort_sender", s, Aborted("prefill gave up"))
+    r0 = c.receiver(d0, 9, [1])
+    c.run_ms(60)
+    c.w.drive(p, "clear_sender", s)
+    assert p.core.room_counts()["early_rooms"] == 1  # rank 1 of decode has not been answered yet
+    r1 = c.receiver(d1, 9, [2])
+    c.run_ms(100)
+    assert r0.state is r1.state is ReceiverState.FAILED and c.finished_ms(r1) == 62.0
+    assert [m.ok for _, m in c.sent(p, Status, lambda m: m.room == 9)] == [False, False]
+    assert p.core.room_counts()["early_rooms"] == 0
+    c.check()
+
+
+def destination(room: int, peer: DecodePeer) -> Destination:
+    empty = np.empty(0, dtype=np.int32)
+    return Destination(TransferInfo(room, 1, "d", "p", -1, 1, False, False, 0, empty, empty), peer)
+
+
+def test_a_full_table_gives_up_notices_and_aborts_before_destinations() -> None:
+    stats: collections.Counter[str] = collections.Counter()
+    table = EarlyTable(max_rooms=3, ttl_s=60, stats=stats)
+    peer = object.__new__(DecodePeer)
+    table.get_or_add(1, 0).failed = "notice"  # type: ignore[union-attr]
+    table.get_or_add(2, 0).infos["d"] = destination(2, peer)  # type: ignore[union-attr]
+    table.get_or_add(3, 0).aborts["d"] = "abort"  # type: ignore[union-attr]
+    table.get_or_add(4, 1).infos["d"] = destination(4, peer)  # type: ignore[union-attr]  # room 1 goes
+    assert table.get(1) is None and table.get(2) is not None and stats["early_evicted"] == 1
+    table.get_or_add(5, 1).infos["d"] = destination(5, peer)  # type: ignore[union-attr]  # room 3 goes
+    assert table.get(3) is None and len(table) == 3
+    assert table.get_or_add(6, 2) is None  # only destinations left: the newcomer is refused
+    table.expire(61)
+    assert len(table) == 0 and stats["early_expired"] == 3
