@@ -257,9 +257,8 @@ class DecodeCore(RegistrationRules):
             if not prog.done and prog.fenced_at is None:  # their senders fail now, not at their timeout
                 abort = Abort(room.room, room.epoch, self.name, prog.sent, required, reason)
                 self._emit(Send(prog.rank.endpoint, abort))
-        instance = self.instances.get(room.addr)
-        if room.plan is None and instance is not None:
-            self._abort_unplanned(room, instance)
+        if room.plan is None:
+            self._abort_unplanned_soon(room)
         if any(p.may_write for p in room.ranks.values()):
             room.move(Event.FAILED_MAY_BE_WRITTEN)
             self.deadlines.arm(room, now + self.config.fence_timeout_s)
@@ -269,6 +268,16 @@ class DecodeCore(RegistrationRules):
             self._finish(room, now)
         if was_resolving:
             self._emit(InitDone(room))
+
+    def _abort_unplanned_soon(self, room: ReceiverRoom) -> None:
+        instance = self.instances.get(room.addr)
+        if instance is not None:
+            self._abort_unplanned(room, instance)
+        elif not room.initialized and not self.closing:  # (an initialized one is waiting for the look-up)
+            waiting = self.fetching.setdefault(room.addr, [])
+            waiting.append(room)
+            if len(waiting) == 1:
+                self._emit(FetchTopology(room.addr))
 
     def _abort_unplanned(self, room: ReceiverRoom, instance: PrefillInstance) -> None:
         """A room that failed before its ranks were known (aborted before or during ``init``): its

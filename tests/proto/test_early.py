@@ -70,6 +70,20 @@ def test_a_receiver_aborted_before_init_fails_its_sender_at_once() -> None:
     assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())
 
 
+def test_a_receiver_aborted_before_init_on_a_cold_pair_looks_the_ranks_up_to_abort_them() -> None:
+    c = Cluster()  # nothing known of the prefill yet
+    p, d = c.p[0], c.d[0]
+    s = c.sender(p, 7)
+    r = c.w.drive(d, "open_receiver", c.w.addr(0), 7)
+    c.w.drive(d, "abort_receiver", r, Aborted("request cancelled"))  # init() never called
+    c.run_ms(60)
+    [(sent_ms, _)] = c.sent(d, Abort)
+    assert sent_ms == 1.0 and s.state is SenderState.FAILED and c.finished_ms(s) == 2.0
+    c.w.drive(p, "clear_sender", s)
+    c.w.drive(d, "clear_receiver", r)
+    assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())
+
+
 def test_a_receiver_aborted_while_its_topology_look_up_is_in_flight_fails_its_sender() -> None:
     c = Cluster()  # cold: init() starts the look-up
     p, d = c.p[0], c.d[0]
