@@ -51,10 +51,11 @@ class Config:
     idle_poll_s: float = 0.001
     """Longest sleep of an idle NIXL engine thread between progress rounds."""
     max_descs_per_xfer: int = 16384
-    """Larger requests are split into several NIXL handles in flight together."""
+    """Larger writes are split into several NIXL handles, posted one after another."""
     xfer_handle_bytes: int = 64 * 2**20
-    """No NIXL handle writes more than this: the write lease is checked before each handle, so a
-    write that started just inside its lease lands soon after (64 MiB: ~13 ms at 5 GB/s)."""
+    """No NIXL handle writes more than this: the write lease is checked before each handle, and a
+    handle that started just inside its lease must land within the fence margin (half a heartbeat
+    interval, 250 ms): 64 MiB takes ~13 ms at 5 GB/s; below 256 MB/s per write, lower it."""
     offload_min_descs: int = 65536
     """Descriptor math for at least this many (entry, page) rows runs on a worker thread."""
     xfer_deadline_base_s: float = 30.0

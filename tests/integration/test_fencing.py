@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
+from asynckv import BootstrapServer, Config, KVManager, KVPoll, KVReceiver, KVSender, Mode
 from asynckv.demo import DemoSpec
 from asynckv.service.writes import WriteBuilder
 from asynckv.testing import FaultInjector, KVPool, PeerProcess, fill_aux, fill_pages, inject, verify_pages
 
-from .conftest import make_pair, transfer_room
+from .conftest import Pair, make_pair, transfer_room
 from .test_process_faults import wait_registered
 
 pytestmark = pytest.mark.integration
@@ -126,19 +126,25 @@ async def test_4b_a_pair_works_again_after_decode_declared_the_prefill_dead() ->
         pair.assert_no_room_state()
 
 
+async def slow_room(pair: Pair, room: int, src: list[int], dst: list[int]) -> tuple[KVReceiver, KVSender]:
+    """A room whose only chunk is handed to the data plane and lands 0.3 s later."""
+    injector = FaultInjector()
+    inject(pair.prefill, injector)
+    injector.delay_posts(0.3)
+    fill_pages(pair.ppool, room, src)
+    receiver = pair.decode.receiver(pair.addr, room)
+    await receiver.init(dst)
+    sender = pair.prefill.sender(room)
+    await sender.wait_ready(5)
+    sender.init(len(src))
+    await sender.send(src)
+    return receiver, sender
+
+
 async def test_5_a_reused_room_id_is_not_completed_by_the_old_rooms_status() -> None:
     async with make_pair() as pair:
         assert await transfer_room(pair, 1, [0], [0]) == (KVPoll.Success, KVPoll.Success)
-        injector = FaultInjector()
-        inject(pair.prefill, injector)
-        injector.delay_posts(0.3)  # the old room's write and status come late
-        fill_pages(pair.ppool, 7, [0, 1])
-        old = pair.decode.receiver(pair.addr, 7)
-        await old.init([3, 4])
-        old_sender = pair.prefill.sender(7)
-        await old_sender.wait_ready(5)
-        old_sender.init(2)
-        await old_sender.send([0, 1])
+        old, old_sender = await slow_room(pair, 7, [0, 1], [3, 4])  # its write and status come late
         old.clear()  # decode gives up on it: its abort fails the old sender, which answers once its write settled
         new = pair.decode.receiver(pair.addr, 7)  # the same id, a new request, new pages
         await new.init(list(range(10, 18)))
@@ -178,16 +184,7 @@ async def test_6_a_prefill_abort_before_the_destination_arrives_fails_decode_at_
 async def test_a_decode_closing_mid_transfer_hears_the_prefills_answers_and_blames_nobody() -> None:
     async with make_pair() as pair:
         assert await transfer_room(pair, 1, [0], [0]) == (KVPoll.Success, KVPoll.Success)
-        injector = FaultInjector()
-        inject(pair.prefill, injector)
-        injector.delay_posts(0.3)  # the write is in flight when decode closes
-        fill_pages(pair.ppool, 2, [0, 1])
-        receiver = pair.decode.receiver(pair.addr, 2)
-        await receiver.init([3, 4])
-        sender = pair.prefill.sender(2)
-        await sender.wait_ready(5)
-        sender.init(2)
-        await sender.send([0, 1])
+        receiver, sender = await slow_room(pair, 2, [0, 1], [3, 4])  # in flight when decode closes
         await asyncio.wait_for(pair.decode.close(), 2.0)  # it waits for prefill's answer, not 3.5 s of silence
         assert receiver.poll() == KVPoll.Failed and "closed" in (receiver.failure_reason or "")
         assert await sender.wait(5) == KVPoll.Failed and "aborted by decode" in (sender.failure_reason or "")
