@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from .messages import Abort
 from .sender import Destination
 
 __all__ = ["EarlyRoom", "EarlyTable"]
@@ -25,8 +26,8 @@ class EarlyRoom:
     deadline: float
     infos: dict[str, Destination] = dataclasses.field(default_factory=dict)
     """Destinations by decode_id, with the registration session (peer) they came in."""
-    aborts: dict[str, str] = dataclasses.field(default_factory=dict)
-    """decode_id -> reason of aborts that came before the sender."""
+    aborts: dict[str, Abort] = dataclasses.field(default_factory=dict)
+    """decode_id -> the aborts that came before the sender."""
     failed: str | None = None
     """Why the cleared sender failed, for destinations that arrive late."""
     answered: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -123,8 +123,10 @@ class PrefillCore(PeerRules, WriteRules):
             for decode_id, dest in early.infos.items():  # only from the session they came in, if it lives on
                 if self.peers.get(decode_id) is dest.peer and dest.peer.phase is PeerPhase.CONNECTED:
                     self._on_destination(sender, dest.info, dest.peer, now)
+            for abort in early.aborts.values():  # that decode needs nothing more from this sender
+                self._answered(sender, abort.decode_id, abort.epoch, abort.required)
             if early.aborts:
-                self.fail(sender, Aborted(next(iter(early.aborts.values()))), now)
+                self.fail(sender, Aborted(f"aborted by decode: {next(iter(early.aborts.values())).reason}"), now)
         return sender
 
     def sender_init(self, room: SenderRoom, num_pages: Any, aux_index: Any, now: float) -> None:
@@ -216,23 +218,24 @@ class PrefillCore(PeerRules, WriteRules):
         if room is None and early is not None and early.failed is not None \
                 and early.answered.get(info.decode_id, info.epoch) == info.epoch:
             self._status(peer, info.room, info.epoch, False, early.failed)  # the sender failed, was cleared
-            early.answered[info.decode_id] = info.epoch
-            early.required = info.required_dst_info_num
-            if len(early.answered) >= early.required:
-                self.early.pop(info.room)
+            self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num)
             return
         early = self.early.get_or_add(info.room, now)  # for a sender not created yet
-        if early is None:
+        if early is None:  # decode hears it now rather than at its waiting timeout
             self._drop("early_full", f"room {info.room}: too many rooms without a sender")
+            self._status(peer, info.room, info.epoch, False, f"room {info.room}: prefill rank has "
+                         f"{self.config.max_early_infos} rooms waiting for their sender (max_early_infos)")
             return
         early.infos[info.decode_id] = Destination(info, peer)
 
     @staticmethod
     def _later_request(room: SenderRoom, decode_id: str, epoch: int) -> bool:
-        """A message of a decode that already gave this sender another incarnation of the room is
-        for a later request reusing the room id: it waits for that request's sender."""
+        """A message of a decode that already gave this sender another incarnation of the room (a
+        destination, or an abort before one) is for a later request reusing the room id: it waits
+        for that request's sender."""
         dest = room.destinations.get(decode_id)
-        return dest is not None and dest.epoch != epoch
+        known = dest.epoch if dest is not None else room.answered.get(decode_id)
+        return known is not None and known != epoch
 
     def _on_destination(self, room: SenderRoom, info: TransferInfo, peer: DecodePeer, now: float) -> None:
         old = room.destinations.get(info.decode_id)
@@ -295,18 +298,18 @@ class PrefillCore(PeerRules, WriteRules):
         parked = None if early is None else early.infos.get(msg.decode_id)
         if early is not None and parked is not None and parked.epoch == msg.epoch:
             del early.infos[msg.decode_id]  # its destination waited for a sender: never used now
-            early.aborts[msg.decode_id] = reason
+            early.aborts[msg.decode_id] = msg
         elif current is not None and not self._later_request(current, msg.decode_id, msg.epoch):
             if msg.decode_id not in current.destinations:  # the abort came before that decode's destination
                 if not msg.destination_sent:
                     self.fail(current, Aborted(reason), now)
                 self._answered(current, msg.decode_id, msg.epoch, msg.required)
         elif early is not None and early.failed is not None and current is None:
-            early.answered[msg.decode_id] = msg.epoch
+            self._notice_answered(msg.room, msg.decode_id, msg.epoch, msg.required)
         elif not msg.destination_sent:  # a sender created later fails at once instead of at its timeout
             early = self.early.get_or_add(msg.room, now)
             if early is not None:
-                early.aborts[msg.decode_id] = reason
+                early.aborts[msg.decode_id] = msg
         ack()
 
     # -- rooms ----------------------------------------------------------------------------
@@ -352,6 +355,17 @@ class PrefillCore(PeerRules, WriteRules):
         room.answered[decode_id] = epoch
         if room.required is None:
             room.required = required
+
+    def _notice_answered(self, room: int, decode_id: str, epoch: int, required: int) -> None:
+        """A decode rank learnt of the failure notice of ``room`` (or aborted): the notice goes once
+        every decode rank of the room did."""
+        early = self.early.get(room)
+        if early is None:
+            return
+        early.answered[decode_id] = epoch
+        early.required = early.required or required
+        if len(early.answered) >= early.required:
+            self.early.pop(room)
 
     def _retire(self, room: SenderRoom, now: float) -> None:
         """A cleared room with nothing in flight; leave a failure notice for destinations still to come."""

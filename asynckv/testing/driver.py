@@ -67,6 +67,11 @@ class Driver:
         self.free_rows: dict[str, list[int]] = {}
         self.next_room = 1
         self.reuse = 0.0
+        self.collisions = 0
+        """Reused ids that went to another pair of groups while the old sender may still exist (a
+        collision prefill cannot tell from a late destination: such rooms may fail)."""
+        self.ending = False
+        """Every room was cleared: the schedulers open nothing more."""
         self.succeeded = self.failed = 0
         world.on_action = self.on_action
 
@@ -125,7 +130,7 @@ class Driver:
             w.on(side.node, p_at + rng.uniform(0, 0.6), self._clear, side)
 
     def _current(self, side: _Side) -> bool:
-        return side.node.alive and not side.gone and not side.node.core.closing
+        return side.node.alive and not side.gone and not side.node.core.closing and not self.ending
 
     def _open_receiver(self, spec: _Room, side: _Side) -> None:
         node, w = side.node, self.world
@@ -273,7 +278,11 @@ class Driver:
                 or self.world.now >= WORKLOAD_S or self.rng.random() >= self.reuse:
             return
         spec.reused = True
-        self.start_room(self.world.now + self.rng.uniform(0, 0.02), room_id=spec.room_id)
+        groups = (spec.pgroup, spec.dgroup)
+        if self.rng.random() < 0.2:
+            groups = (self.rng.randrange(len(self.world.prefill)), self.rng.randrange(len(self.world.decode)))
+            self.collisions += groups != (spec.pgroup, spec.dgroup)
+        self.start_room(self.world.now + self.rng.uniform(0, 0.02), room_id=spec.room_id, groups=groups)
 
     def receiver_bound(self) -> float:
         c = self.world.config
@@ -350,12 +359,16 @@ class Driver:
                     self.world.violation(f"I2: {side.node} room {spec.room_id} still {room.state.name} at the end "
                                          f"(started at {side.started:.2f}s)")
 
-    def clear_all_and_close(self) -> None:
-        w = self.world
+    def clear_all(self) -> None:
         for spec in self.rooms:
             for side in spec.senders + spec.receivers:
                 if self._current(side) and side.room is not None and side.node.stopped_until is None:
                     self._clear(side)
+        self.ending = True
+
+    def clear_all_and_close(self) -> None:
+        w = self.world
+        self.clear_all()
         for group in w.prefill + w.decode:
             for node in group:
                 if node.alive and not node.core.closing:

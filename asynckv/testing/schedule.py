@@ -58,7 +58,8 @@ def run_seed(seed: int, *, trace: bool = False, config: Config = SIM_CONFIG) -> 
     driver.build()
     for _ in range(rng.randint(4, 14 if heavy else 8)):
         driver.start_room(rng.uniform(0, WORKLOAD_S))
-    driver.process_faults(rng.choice((0, 1, 2, 3)) if heavy else rng.choice((0, 0, 1)))
+    process_faults = rng.choice((0, 1, 2, 3)) if heavy else rng.choice((0, 0, 1))
+    driver.process_faults(process_faults)
     world.at(WORKLOAD_S + 0.5, setattr, world, "faults_on", False)
     settle = WORKLOAD_S + 1.0 + driver.sender_bound()
     world.run_until(settle)
@@ -73,6 +74,14 @@ def run_seed(seed: int, *, trace: bool = False, config: Config = SIM_CONFIG) -> 
             for side in spec.receivers:
                 if not isinstance(side.room, ReceiverRoom) or not side.room.terminal:
                     world.violation(f"I5: probe room {spec.room_id} to {side.node} did not finish")
+    if not process_faults and not world.mix.loss and not driver.collisions:
+        # I4 before close: nothing of a cleared room outlives it (the early table included)
+        driver.clear_all()
+        world.run_until(world.now + world.config.fence_timeout_s + 4.0)
+        for node in (n for group in world.prefill + world.decode for n in group):
+            leftovers = {k: v for k, v in node.core.room_counts().items() if v}
+            if leftovers:
+                world.violation(f"I4: {node}: every room cleared, yet tables hold {leftovers}")
     driver.clear_all_and_close()
     world.run_until(world.now + world.config.fence_timeout_s + 4.0)
     for group in world.prefill + world.decode:

@@ -5,6 +5,7 @@ nothing of the room outlives it in prefill's early table once every decode rank 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from asynckv.proto.messages import Abort, Status, TransferInfo
 from asynckv.proto.sender import DecodePeer, Destination
 from asynckv.proto.states import ReceiverState, SenderState
 
-from .harness import Cluster, register_pair
+from .harness import DEFAULTS, Cluster, register_pair
 
 
 def empty_tables(*nodes: object) -> bool:
@@ -125,7 +126,7 @@ def test_a_full_table_gives_up_notices_and_aborts_before_destinations() -> None:
     peer = object.__new__(DecodePeer)
     table.get_or_add(1, 0).failed = "notice"  # type: ignore[union-attr]
     table.get_or_add(2, 0).infos["d"] = destination(2, peer)  # type: ignore[union-attr]
-    table.get_or_add(3, 0).aborts["d"] = "abort"  # type: ignore[union-attr]
+    table.get_or_add(3, 0).aborts["d"] = Abort(3, 1, "d", False, 1, "abort")  # type: ignore[union-attr]
     table.get_or_add(4, 1).infos["d"] = destination(4, peer)  # type: ignore[union-attr]  # room 1 goes
     assert table.get(1) is None and table.get(2) is not None and stats["early_evicted"] == 1
     table.get_or_add(5, 1).infos["d"] = destination(5, peer)  # type: ignore[union-attr]  # room 3 goes
@@ -133,3 +134,84 @@ def test_a_full_table_gives_up_notices_and_aborts_before_destinations() -> None:
     assert table.get_or_add(6, 2) is None  # only destinations left: the newcomer is refused
     table.expire(61)
     assert len(table) == 0 and stats["early_expired"] == 3
+
+
+def test_an_abort_before_the_sender_fails_it_at_once_and_a_reused_id_then_succeeds() -> None:
+    c = Cluster()
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    a = c.w.drive(d, "open_receiver", c.w.addr(0), 7)
+    c.w.drive(d, "abort_receiver", a, Aborted("request A cancelled"))  # reaches prefill before A's sender
+    c.w.drive(d, "clear_receiver", a)
+    c.run_ms(50)
+    s = c.sender(p, 7)
+    assert s.state is SenderState.FAILED and s.reason == "aborted by decode: request A cancelled"
+    c.w.drive(p, "clear_sender", s)
+    assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())  # decode A needs nothing more
+    b = c.receiver(d, 7, [3, 4])  # request B reuses the id: its destination waits for B's sender
+    c.run_ms(60)
+    assert b.state is ReceiverState.WAITING
+    s2 = c.sender(p, 7)
+    c.send(p, s2, [10, 11])
+    c.run_ms(80)
+    assert b.state is ReceiverState.SUCCEEDED and s2.state is SenderState.SUCCEEDED  # with B's bytes (I3)
+    c.check()
+
+
+def test_a_notice_goes_when_the_last_decode_rank_answers_with_an_abort() -> None:
+    c = Cluster(prefill_tp=1, decode_tp=2)
+    register_pair(c)
+    p, (d0, d1) = c.p[0], c.d
+    s = c.sender(p, 9)
+    r0 = c.receiver(d0, 9, [1])
+    c.run_ms(45)
+    c.w.drive(p, "abort_sender", s, Aborted("prefill gave up"))
+    c.w.drive(p, "clear_sender", s)  # rank 1's destination is still to come: a notice waits for it
+    assert p.core.room_counts()["early_rooms"] == 1
+    r1 = c.w.drive(d1, "open_receiver", c.w.addr(0), 9)
+    c.w.drive(d1, "abort_receiver", r1, Aborted("request cancelled"))  # rank 1 answers with an abort
+    c.run_ms(60)
+    for node, room in ((d0, r0), (d1, r1)):
+        c.w.drive(node, "clear_receiver", room)
+    assert r0.state is r1.state is ReceiverState.FAILED
+    assert empty_tables(p, d0, d1), p.core.room_counts()
+    c.check()
+
+
+def test_a_destination_refused_by_a_full_early_table_fails_its_room_at_once() -> None:
+    c = Cluster(dataclasses.replace(DEFAULTS, max_early_infos=1))
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    first, second = c.receiver(d, 1, [1]), c.receiver(d, 2, [2])  # no sender for either yet
+    c.run_ms(60)
+    assert first.state is ReceiverState.WAITING  # parked for its sender
+    assert second.state is ReceiverState.FAILED and c.finished_ms(second) == 42.0
+    assert "max_early_infos" in second.reason
+    s = c.sender(p, 1)
+    c.send(p, s, [5])
+    c.run_ms(80)
+    assert first.state is ReceiverState.SUCCEEDED
+    c.check()
+
+
+def test_a_reused_id_does_not_reach_the_old_sender_its_decode_aborted_before_any_destination() -> None:
+    c = Cluster()
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    old = c.sender(p, 4)
+    a = c.w.drive(d, "open_receiver", c.w.addr(0), 4)
+    c.w.drive(d, "abort_receiver", a, Aborted("request A cancelled"))  # fails the old sender at 41 ms
+    c.w.drive(d, "clear_receiver", a)
+    c.run_ms(45)
+    b = c.receiver(d, 4, [3, 4])  # request B: not a late destination of A's sender
+    c.run_ms(60)
+    assert old.state is SenderState.FAILED and b.state is ReceiverState.WAITING
+    c.w.drive(p, "clear_sender", old)
+    new = c.sender(p, 4)
+    c.send(p, new, [10, 11])
+    c.run_ms(80)
+    assert b.state is ReceiverState.SUCCEEDED and new.state is SenderState.SUCCEEDED
+    c.w.drive(p, "clear_sender", new)
+    c.w.drive(d, "clear_receiver", b)
+    assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())
+    c.check()
