@@ -14,6 +14,7 @@ import argparse
 import collections
 import multiprocessing
 import pathlib
+import re
 import sys
 import time
 from typing import Any
@@ -32,9 +33,8 @@ def _run_chunk(first: int) -> dict[str, Any]:
         out = run_seed(seed)
         totals.update(rooms=out.rooms, succeeded=out.succeeded, failed=out.failed, steps=out.steps,
                       sim_seconds=int(out.sim_seconds))
-        for fault in out.faults.split(", "):
-            if fault:
-                totals[f"mix:{fault.split('=')[0]}"] += 1
+        for fault in re.findall(r"(?:^|, )(\w+)=", out.faults):  # "delay_ms=(0.05, 30.0), dup=0.02"
+            totals[f"mix:{fault}"] += 1
         if out.violations:
             violations[seed] = out.violations[0]
     return {"totals": dict(totals), "violations": violations}

@@ -68,8 +68,9 @@ class Driver:
         self.next_room = 1
         self.reuse = 0.0
         self.collisions = 0
-        """Reused ids that went to another pair of groups while the old sender may still exist (a
-        collision prefill cannot tell from a late destination: such rooms may fail)."""
+        """Reused ids prefill cannot tell from a late destination of the old request, so such rooms
+        may fail and leave a failure notice: the id went to another pair of groups while the old
+        sender may still exist, or came back to the same pair before the old sender even opened."""
         self.ending = False
         """Every room was cleared: the schedulers open nothing more."""
         self.succeeded = self.failed = 0
@@ -281,7 +282,8 @@ class Driver:
         groups = (spec.pgroup, spec.dgroup)
         if self.rng.random() < 0.2:
             groups = (self.rng.randrange(len(self.world.prefill)), self.rng.randrange(len(self.world.decode)))
-            self.collisions += groups != (spec.pgroup, spec.dgroup)
+        if groups != (spec.pgroup, spec.dgroup) or any(s.room is None and not s.gone for s in spec.senders):
+            self.collisions += 1
         self.start_room(self.world.now + self.rng.uniform(0, 0.02), room_id=spec.room_id, groups=groups)
 
     def receiver_bound(self) -> float:
