@@ -1,4 +1,4 @@
-"""Command line: ``asynckv demo | bootstrap-server | selftest | bench`` (also ``python -m asynckv``)."""
+"""Command line: ``asynckv demo | bootstrap-server | gen-token | selftest | bench`` (also ``python -m asynckv``)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,25 @@ def _bootstrap_server(args: argparse.Namespace) -> int:
     async def serve() -> None:
         from .config import Config
 
-        async with BootstrapServer(args.host, args.port, Config.from_env().auth_token) as server:
-            print(f"asynckv bootstrap server on http://{server.addr} (Ctrl-C to stop)", flush=True)
+        cfg = Config.from_env()
+        async with BootstrapServer(args.host, args.port, cfg.auth_token,
+                                   allow_unauthenticated=cfg.allow_unauthenticated) as server:
+            mode = ("authenticated" if cfg.auth_token else "unauthenticated, any host" if cfg.allow_unauthenticated
+                    else "protected mode: /route for loopback clients only")
+            print(f"asynckv bootstrap server on http://{server.addr} ({mode}; Ctrl-C to stop)", flush=True)
             await asyncio.Event().wait()
 
     try:
         asyncio.run(serve())
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def _gen_token(args: argparse.Namespace) -> int:
+    import secrets
+
+    print(secrets.token_urlsafe(32))
     return 0
 
 
@@ -96,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--host", default="127.0.0.1")
     boot.add_argument("--port", type=int, default=8998)
     boot.set_defaults(func=_bootstrap_server)
+
+    token = sub.add_parser("gen-token", help="print a fresh secret for ASYNCKV_AUTH_TOKEN (256 random bits)")
+    token.set_defaults(func=_gen_token)
 
     selftest = sub.add_parser("selftest", help="move bytes between two local agents; report the transport in use")
     selftest.set_defaults(func=_selftest)

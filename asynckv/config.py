@@ -57,7 +57,8 @@ class Config:
     handle that started just inside its lease must land within the fence margin (half a heartbeat
     interval, 250 ms): 64 MiB takes ~13 ms at 5 GB/s; below 256 MB/s per write, lower it."""
     offload_min_descs: int = 65536
-    """Descriptor math for at least this many (entry, page) rows runs on a worker thread."""
+    """Descriptor math producing at least this many descriptors (as built: x page_size for head
+    slices), and destination checks of at least this many indices, run on a worker thread."""
     xfer_deadline_base_s: float = 30.0
     """Every NIXL post must finish within this many seconds plus its bytes at the rate below."""
     xfer_deadline_min_bytes_per_s: float = 50e6
@@ -82,12 +83,39 @@ class Config:
     """Registered peers kept at most per manager; registrations beyond are refused."""
     max_inflight_bytes: int = 8 * 2**30
     """Prefill: bytes posted but not yet landed, at most (a larger single chunk waits to go alone)."""
+    max_early_bytes: int = 256 * 2**20
+    """Prefill: bytes of destinations kept while they wait (for their sender in the early table, or
+    behind an off-loop check), all rooms and peers together; a destination beyond it is refused at
+    once with ``Status(ok=False)``. 256 MiB holds a 1,024-page destination (4 KiB) for every one of
+    the ``max_early_infos`` rooms, or ~500 of a 128k-token context at page_size 1, while a peer can
+    no longer park gigabytes (one destination may be 64 MiB: 16M pages)."""
+    max_peer_dlist_rows: int = 2**20
+    """Prefill: destination dlist rows (this rank's KV entries x the decode's pages) any decode peer may
+    register; a larger pool is accepted only if it is within ``POOL_RATIO`` (4) times this rank's own
+    rows, times the decode's TP size over ours (its pages are that much smaller). Checked before any
+    row is built: the rows, 24 bytes each, are built from the claim alone. Real pools meet the relative
+    bound (a decode rank of the same model holds at most a few times a prefill rank's KV memory); this
+    floor of 2**20 rows (24 MiB) serves small prefill pools (tests, demos) and lets an operator admit
+    a more asymmetric pair."""
+    max_connecting_peers: int = 2
+    """Prefill: registrations that build their destination dlist and connect at once; the others wait
+    their turn in order (building rows is numpy on a worker thread and NIXL's prep runs on its one
+    engine thread, so more at once gain little and multiply peak memory)."""
     ops_port: int = -1
     """Serve /health, /metrics and /peers for this manager on this port (0: any free port,
     -1: off). A manager hosting the bootstrap server serves them there anyway."""
     auth_token: str = ""
     """Shared secret; when set, every control message and mutating bootstrap request is
     authenticated (HMAC-SHA256 with a freshness window). Also ASYNCKV_AUTH_TOKEN."""
+    allow_unauthenticated: bool = False
+    """Without a token, control traffic (ZMQ messages, bootstrap ``/route`` and ``/peers``) is
+    accepted from loopback only ("protected mode"); True accepts it from any host, unauthenticated
+    (logged as a warning). Also ASYNCKV_ALLOW_UNAUTHENTICATED=1."""
+
+    @property
+    def protected(self) -> bool:
+        """Protected mode: no token and no opt-out, so only loopback peers are heard."""
+        return not self.auth_token and not self.allow_unauthenticated
 
     def __repr__(self) -> str:  # never print the secret
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -102,7 +130,8 @@ class Config:
             if f.name.endswith("_s") and not value > 0:
                 raise InvalidArgument(f"config {f.name} must be > 0, got {value!r}")
         for name in ("register_attempts", "max_descs_per_xfer", "xfer_handle_bytes", "offload_min_descs",
-                     "max_rooms", "max_early_infos", "heartbeat_max_failures", "max_peers", "max_inflight_bytes"):
+                     "max_rooms", "max_early_infos", "heartbeat_max_failures", "max_peers", "max_inflight_bytes",
+                     "max_early_bytes", "max_peer_dlist_rows", "max_connecting_peers"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"config {name} must be >= 1, got {getattr(self, name)!r}")
         if not self.host:

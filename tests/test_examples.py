@@ -30,6 +30,12 @@ def test_cli_help() -> None:
         assert out.returncode == 0 and "usage: asynckv" in out.stdout
 
 
+def test_gen_token_prints_a_fresh_secret_each_time() -> None:
+    tokens = [subprocess.run([sys.executable, "-m", "asynckv", "gen-token"], capture_output=True, text=True,
+                             check=True).stdout.strip() for _ in range(2)]
+    assert tokens[0] != tokens[1] and all(len(t) >= 40 and t.isascii() and " " not in t for t in tokens)
+
+
 def test_selftest_reports_the_transport_and_warns_on_a_tcp_fallback() -> None:
     import os
 

@@ -6,6 +6,7 @@ the tests compare it with.
 
 from .pages import (
     aux_descriptors,
+    check_pages,
     coalesce_runs,
     handle_bounds,
     kv_page_descriptors,
@@ -18,6 +19,7 @@ from .slicing import block_descriptors, head_slice_descriptors, merge_contiguous
 __all__ = [
     "aux_descriptors",
     "block_descriptors",
+    "check_pages",
     "head_slice_descriptors",
     "merge_contiguous",
     "coalesce_runs",

@@ -2,14 +2,17 @@
 
 With a token configured, every ZMQ message carries one more frame::
 
-    b"AKVA" | u64 LE sender wall-clock time (ns) | 16-byte nonce | HMAC-SHA256 (32 bytes)
+    b"AKV2" | u64 LE sender wall-clock time (ns) | 16-byte nonce | HMAC-SHA256 (32 bytes)
 
-The MAC covers every other frame (each length-prefixed), the time and the nonce, under a
-key derived from the token. A receiver refuses a message without the frame, with a bad
-MAC, with a time outside ``window_s`` of its own clock, or whose nonce it has already
-seen within the window (a replay). Freshness needs a clock both hosts share, so it is the
-only place asynckv reads wall-clock time; deadlines stay monotonic. Mutating bootstrap
-requests carry the same proof in an ``X-AsyncKV-Auth`` header over method, path and body.
+The MAC covers the recipient (the endpoint the message is sent to, as the receiver
+advertises it), every other frame (the header names the message type, the body its
+sender), the time and the nonce, each length-prefixed, under a key derived from the
+token: a message sealed for one rank is refused by every other. A receiver refuses a
+message without the frame, with a bad MAC, with a time outside ``window_s`` of its own
+clock, or whose nonce it has already seen within the window (a replay). Freshness needs
+a clock both hosts share, so it is the only place asynckv reads wall-clock time; deadlines
+stay monotonic. Mutating bootstrap requests carry the same proof in an ``X-AsyncKV-Auth``
+header over method, path and body.
 """
 
 from __future__ import annotations
@@ -17,14 +20,32 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import ipaddress
 import os
 import struct
 
 from ..errors import RemoteProtocolError
 
-__all__ = ["AUTH_HEADER", "AuthError", "Authenticator"]
+__all__ = ["AUTH_HEADER", "PROTECTED_MODE_REASON", "AuthError", "Authenticator", "is_loopback"]
 
-AUTH_MAGIC = b"AKVA"
+PROTECTED_MODE_REASON = (
+    "asynckv protected mode: no ASYNCKV_AUTH_TOKEN is set, so control traffic is accepted from "
+    "loopback only. To run across hosts set the same ASYNCKV_AUTH_TOKEN on every rank and the "
+    "bootstrap server (`asynckv gen-token` prints one), or set ASYNCKV_ALLOW_UNAUTHENTICATED=1 "
+    "to accept unauthenticated traffic from any host.")
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback; False for anything else (names too)."""
+    try:
+        addr = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+AUTH_MAGIC = b"AKV2"
 AUTH_HEADER = "X-AsyncKV-Auth"
 _TRAILER = struct.Struct("<4sQ16s32s")
 
@@ -57,23 +78,24 @@ class Authenticator:
         h.update(nonce)
         return h.digest()
 
-    def seal(self, frames: list[bytes], now_ns: int, nonce: bytes | None = None) -> list[bytes]:
+    def seal(self, frames: list[bytes], recipient: str, now_ns: int, nonce: bytes | None = None) -> list[bytes]:
+        """Append the trailer for a message to ``recipient`` (the endpoint it is sent to)."""
         nonce = os.urandom(16) if nonce is None else nonce
-        mac = self._mac([bytes(f) for f in frames], now_ns, nonce)
+        mac = self._mac([recipient.encode(), *(bytes(f) for f in frames)], now_ns, nonce)
         return [*frames, _TRAILER.pack(AUTH_MAGIC, now_ns, nonce, mac)]
 
-    def open(self, frames: list[bytes], now_ns: int) -> list[bytes]:
-        """Verify and strip the trailer; raises AuthError."""
+    def open(self, frames: list[bytes], recipient: str, now_ns: int) -> list[bytes]:
+        """Verify and strip the trailer of a message to ``recipient`` (our own endpoint); raises AuthError."""
         if not frames or len(frames[-1]) != _TRAILER.size or bytes(frames[-1][:4]) != AUTH_MAGIC:
             raise AuthError("missing", "no authentication frame")
         _, ts, nonce, mac = _TRAILER.unpack(bytes(frames[-1]))
         body = [bytes(f) for f in frames[:-1]]
-        self._verify(body, ts, nonce, mac, now_ns)
+        self._verify([recipient.encode(), *body], ts, nonce, mac, now_ns)
         return body
 
     def _verify(self, parts: list[bytes], ts: int, nonce: bytes, mac: bytes, now_ns: int) -> None:
         if not hmac.compare_digest(mac, self._mac(parts, ts, nonce)):
-            raise AuthError("bad_mac", "MAC does not match (wrong token or altered message)")
+            raise AuthError("bad_mac", "MAC does not match (wrong token, altered, or sealed for another rank)")
         if abs(now_ns - ts) > self._window_ns:
             raise AuthError("stale", f"timestamp {abs(now_ns - ts) / 1e9:.1f}s away from ours")
         while self._seen and (len(self._seen) >= self._max_nonces
@@ -96,4 +118,6 @@ class Authenticator:
             ts, nonce, mac = int(ts_text), bytes.fromhex(nonce_hex), bytes.fromhex(mac_hex)
         except ValueError:
             raise AuthError("malformed", f"{AUTH_HEADER} is not ts.nonce.mac") from None
+        if not 0 <= ts < 2**64 or len(nonce) != 16 or len(mac) != 32:  # (the MAC packs ts as u64)
+            raise AuthError("malformed", f"{AUTH_HEADER}: time, nonce or MAC out of range")
         self._verify([method.encode(), path.encode(), body], ts, nonce, mac, now_ns)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import secrets
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -48,9 +50,15 @@ from .receiver import RankProgress, ReceiverRoom, Registration
 from .states import Event, ReceiverState
 from .topology import PrefillInstance, TargetPlan, check_compatible, plan_targets
 
-__all__ = ["DecodeCore"]
+__all__ = ["DecodeCore", "random_sessions"]
 
 log = logging.getLogger("asynckv.decode")
+
+
+def random_sessions() -> Iterator[int]:
+    """Unguessable registration session numbers (63 random bits, never 0)."""
+    while True:
+        yield secrets.randbits(63) or 1
 
 
 class DecodeCore(RegistrationRules):
@@ -59,7 +67,8 @@ class DecodeCore(RegistrationRules):
 
     mode = "decode"
 
-    def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config, register: Register) -> None:
+    def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config, register: Register,
+                 sessions: Iterator[int] | None = None) -> None:
         super().__init__(name, endpoint, kv_args, config)
         self._register = register
         """This rank's Register, sent with prefill_id, session and lease filled in per registration."""
@@ -72,7 +81,10 @@ class DecodeCore(RegistrationRules):
         self.fetching: dict[str, list[ReceiverRoom]] = {}
         self._plans: dict[tuple[str, int], tuple[PrefillInstance, TargetPlan]] = {}
         self._epochs = itertools.count(1)
-        self._sessions = itertools.count(1)
+        self._sessions = sessions if sessions is not None else itertools.count(1)
+        """Registration session numbers. A manager draws them at random (``random_sessions``): only
+        the prefill that received the Register knows its session, so no one else can complete a room
+        (Status), renew liveness (Pong) or end the session (Bye) by naming the public prefill id."""
         self._handlers.update({
             RegisterResult: self._on_register_result, Status: self._on_status, Ping: self._on_ping,
             Pong: self._on_pong, Bye: self._on_bye,
@@ -237,6 +249,7 @@ class DecodeCore(RegistrationRules):
         for target in plan.targets:
             prog = room.ranks[target.rank.agent_id]
             prog.sent = True
+            prog.session = self.registrations[target.rank.agent_id].session
             self._emit(Send(target.rank.endpoint, TransferInfo(
                 room.room, room.epoch, self.name, target.rank.agent_id, room.aux_index, plan.required_dst_info_num,
                 target.is_dummy, target.write_aux, room.prefix_len, empty if target.is_dummy else room.pages,
@@ -333,6 +346,11 @@ class DecodeCore(RegistrationRules):
         prog = None if room is None else room.ranks.get(msg.prefill_id)
         if room is None or prog is None:
             self._drop("late_status", f"room {msg.room}#{msg.epoch} status from {msg.prefill_id[:8]}")
+            return
+        reg = self.registrations.get(msg.prefill_id)
+        if msg.session != (prog.session if prog.session is not None else reg.session if reg is not None else None):
+            self._drop("wrong_session", f"room {msg.room} status from {msg.prefill_id[:8]} names session "
+                                        f"{msg.session}, not the one its destination went in")
             return
         if msg.ok and not prog.may_write:
             self._drop("unexpected_status", f"room {msg.room} success from a rank that writes nothing")

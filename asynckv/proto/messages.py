@@ -1,4 +1,4 @@
-"""Native control protocol v2: message dataclasses and their ZMQ multipart codec.
+"""Native control protocol v3: message dataclasses and their ZMQ multipart codec.
 
 Every message is a list of frames::
 
@@ -9,6 +9,9 @@ Every message is a list of frames::
 Arrays travel as little-endian int32 (``<i4``); opaque bytes (NIXL agent metadata)
 as they are. Decoding validates every field's presence and type and raises
 ``RemoteProtocolError``; nothing else escapes from ``decode``. See docs/protocol.md.
+
+Every message type has a size cap, checked before anything of it is parsed, identifiers have a
+length cap, and reasons are cut when encoded (``wire_limits``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import RemoteProtocolError
+from .wire_limits import MAX_REASON_CHARS, MAX_STR_CHARS, check_sizes
 
 __all__ = [
     "MAGIC",
@@ -42,7 +46,7 @@ __all__ = [
 ]
 
 MAGIC = b"AKVP"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_ROOM = 2**63 - 1
 MAX_FRAMES = 8
 _HEADER = struct.Struct("<4sHH")
@@ -192,13 +196,16 @@ class Status(Message):
 
     TYPE: ClassVar[int] = 4
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("room", "room"), ("epoch", "uint"), ("prefill_id", "str"), ("sender_rank", "uint"), ("ok", "bool"),
-        ("reason", "str"))
+        ("room", "room"), ("epoch", "uint"), ("prefill_id", "str"), ("session", "uint"), ("sender_rank", "uint"),
+        ("ok", "bool"), ("reason", "str"))
     room: int
     epoch: int
     """The receiver incarnation this status answers (from its TransferInfo or Abort)."""
     prefill_id: str
     """Agent name (incarnation) of the prefill sender."""
+    session: int
+    """The registration session the room's destination came in (decode draws sessions at random, and
+    only the prefill that received the Register knows one: a status naming another is dropped)."""
     sender_rank: int
     """Unique rank of the prefill sender (distinct senders are counted, never keys)."""
     ok: bool
@@ -279,6 +286,8 @@ def encode(msg: Message) -> list[bytes]:
             blobs.append(np.ascontiguousarray(value, dtype="<i4").tobytes())
         elif kind == "ints":
             body[name] = [int(v) for v in value]
+        elif name == "reason" and len(value) > MAX_REASON_CHARS:
+            body[name] = value[:MAX_REASON_CHARS - 3] + "..."
         else:
             body[name] = value
     head = _HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.TYPE)
@@ -295,6 +304,7 @@ def decode(frames: list[bytes]) -> Message:
     magic, version, msg_type = _HEADER.unpack(head)
     if magic != MAGIC:
         raise RemoteProtocolError(f"bad magic {magic!r} (foreign traffic?)")
+    check_sizes(msg_type, frames)
     body = _load_body(frames[1])
     if version != PROTOCOL_VERSION:
         raise VersionMismatch(version, msg_type, body)
@@ -334,6 +344,9 @@ def _scalar(cls_name: str, name: str, kind: str, value: Any) -> Any:
     if kind == "str":
         if not isinstance(value, str):
             raise bad("a string")
+        cap = MAX_STR_CHARS.get(name)
+        if cap is not None and len(value) > cap:
+            raise bad(f"a string of at most {cap} characters")
         return value
     if kind == "bool":
         if not isinstance(value, bool):

@@ -3,8 +3,9 @@
 Feed it events (``receive``, ``post_settled``, ``peer_connected``, ``handle_timer`` and the
 sender API calls, each with ``now``) and run the actions it returns (``actions()``). It
 owns the room table, the early table, the decode peers and their sessions, liveness and
-write leases, and the in-flight byte budget. The rules live in three files: rooms and their
-messages here, peers in ``prefill_peers``, writes and the budget in ``prefill_writes``.
+write leases, and the in-flight byte budget. The rules live in four files: rooms, aborts and
+failure notices here, destinations (their checks and the early table) in ``prefill_dest``,
+peers in ``prefill_peers``, writes and the budget in ``prefill_writes``.
 
 The fencing rules it keeps:
 
@@ -24,23 +25,17 @@ import logging
 from typing import Any
 
 from ..config import Config
-from ..errors import (
-    Aborted,
-    BootstrapTimeout,
-    ClosedError,
-    InvalidArgument,
-    LocalProtocolError,
-    RemoteProtocolError,
-)
+from ..errors import Aborted, BootstrapTimeout, ClosedError, InvalidArgument, LocalProtocolError
 from ..kernels import validate_pages
 from ..layout import KVArgs
-from .actions import CancelPosts, Closed, Finished, RoomReady, Send
+from .actions import CancelPosts, Closed, Finished, Send
 from .core import check_int
 from .early import EarlyTable
 from .messages import MAX_ROOM, Abort, Bye, Ping, Pong, Register, Status, TransferInfo
+from .prefill_dest import DestinationRules
 from .prefill_peers import PeerRules
 from .prefill_writes import WriteRules
-from .sender import DecodePeer, Destination, PeerPhase, SenderRoom
+from .sender import DecodePeer, PeerPhase, SenderRoom
 from .states import Event, SenderState
 
 __all__ = ["PrefillCore", "check_int"]
@@ -48,7 +43,7 @@ __all__ = ["PrefillCore", "check_int"]
 log = logging.getLogger("asynckv.prefill")
 
 
-class PrefillCore(PeerRules, WriteRules):
+class PrefillCore(DestinationRules, PeerRules, WriteRules):
     """The prefill side of one rank (see the module docstring)."""
 
     mode = "prefill"
@@ -66,7 +61,9 @@ class PrefillCore(PeerRules, WriteRules):
         """Dropped peers whose posts or connection are still settling; ordered."""
         self._blocked: dict[str, DecodePeer] = {}
         """New sessions waiting for the previous session's connection to finish."""
-        self.early = EarlyTable(config.max_early_infos, config.early_info_ttl_s, self.stats)
+        self.early = EarlyTable(config.max_early_infos, config.early_info_ttl_s, self.stats,
+                                max_bytes=config.max_early_bytes, max_ranks=config.max_peers)
+        self._init_destinations()
         self._handlers.update({
             Register: self._on_register, TransferInfo: self._on_transfer_info, Abort: self._on_abort,
             Ping: self._on_ping, Pong: self._on_pong, Bye: self._on_bye,
@@ -99,6 +96,7 @@ class PrefillCore(PeerRules, WriteRules):
             self.fail(room, ClosedError("manager closed"), now)
             self.clear_sender(room, now)
         self._blocked.clear()
+        self._drop_checks()
         self.early.clear()  # nobody will create a sender here any more
         for peer in list(self.peers.values()):
             self.drop_peer(peer, ClosedError("manager closed"), now, say_bye=True, farewell=True)
@@ -122,7 +120,7 @@ class PrefillCore(PeerRules, WriteRules):
         if early is not None:  # a failure notice of an earlier sender of this id is void now
             for decode_id, dest in early.infos.items():  # only from the session they came in, if it lives on
                 if self.peers.get(decode_id) is dest.peer and dest.peer.phase is PeerPhase.CONNECTED:
-                    self._on_destination(sender, dest.info, dest.peer, now)
+                    self._on_destination(sender, dest.info, dest.peer, None, now)  # checked on arrival
             for abort in early.aborts.values():  # that decode needs nothing more from this sender
                 self._answered(sender, abort.decode_id, abort.epoch, abort.required)
             if early.aborts:
@@ -199,81 +197,6 @@ class PrefillCore(PeerRules, WriteRules):
 
     # -- messages -------------------------------------------------------------------------
 
-    def _on_transfer_info(self, info: TransferInfo, now: float) -> None:
-        if info.prefill_id != self.name:
-            self._drop("stale_incarnation", f"room {info.room} meant for {info.prefill_id[:8]}")
-            return
-        peer = self.peers.get(info.decode_id)
-        if peer is None or peer.phase is not PeerPhase.CONNECTED:
-            self._drop("unknown_peer", f"room {info.room} from unregistered {info.decode_id[:8]}")
-            return
-        if not peer.first_time(info.room, info.epoch):
-            self._drop("duplicate", f"room {info.room}#{info.epoch} destination again")
-            return
-        room = self.rooms.get(info.room)
-        if room is not None and not self._later_request(room, info.decode_id, info.epoch):
-            self._on_destination(room, info, peer, now)
-            return
-        early = self.early.get(info.room)
-        if room is None and early is not None and early.failed is not None \
-                and early.answered.get(info.decode_id, info.epoch) == info.epoch:
-            self._status(peer, info.room, info.epoch, False, early.failed)  # the sender failed, was cleared
-            self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num)
-            return
-        early = self.early.get_or_add(info.room, now)  # for a sender not created yet
-        if early is None:  # decode hears it now rather than at its waiting timeout
-            self._drop("early_full", f"room {info.room}: too many rooms without a sender")
-            self._status(peer, info.room, info.epoch, False, f"room {info.room}: prefill rank has "
-                         f"{self.config.max_early_infos} rooms waiting for their sender (max_early_infos)")
-            return
-        early.infos[info.decode_id] = Destination(info, peer)
-
-    @staticmethod
-    def _later_request(room: SenderRoom, decode_id: str, epoch: int) -> bool:
-        """A message of a decode that already gave this sender another incarnation of the room (a
-        destination, or an abort before one) is for a later request reusing the room id: it waits
-        for that request's sender."""
-        dest = room.destinations.get(decode_id)
-        known = dest.epoch if dest is not None else room.answered.get(decode_id)
-        return known is not None and known != epoch
-
-    def _on_destination(self, room: SenderRoom, info: TransferInfo, peer: DecodePeer, now: float) -> None:
-        old = room.destinations.get(info.decode_id)
-        if room.state is not SenderState.BOOTSTRAPPING:
-            self.stats["late_info"] += 1
-            why = room.reason if room.exception is not None else "it already has its destinations"
-            self._status(peer, room.room, info.epoch, False,
-                         f"room {room.room} is {room.state.value} on this prefill rank: {why}")
-            self._answered(room, info.decode_id, info.epoch, info.required_dst_info_num)
-            return
-        room.destinations[info.decode_id] = Destination(info, peer)
-        try:
-            self._validate_destination(info, peer)
-        except InvalidArgument as exc:
-            self.fail(room, RemoteProtocolError(f"room {room.room}: {exc}"), now)  # reaches that decode
-            return
-        room.required = info.required_dst_info_num
-        if old is not None and old.epoch != info.epoch:
-            self.stats["replaced_info"] += 1
-        if len(room.destinations) >= room.required:
-            room.move(Event.DESTINATIONS_KNOWN)
-            self.deadlines.arm(room, None)
-            if room.num_pages is not None:
-                self._check_page_counts(room, now)
-            if room.active:
-                self._emit(RoomReady(room))
-
-    def _validate_destination(self, info: TransferInfo, peer: DecodePeer) -> None:
-        validate_pages(info.dst_pages, peer.num_pages, "decode destination pages")
-        validate_pages(info.dst_state_indices, peer.num_state_slots, "decode state indices")
-        if info.aux_index != -1 and not 0 <= info.aux_index < peer.num_aux_rows:
-            raise InvalidArgument(f"decode aux_index {info.aux_index} outside [0, {peer.num_aux_rows})")
-        if info.required_dst_info_num < 1:
-            raise InvalidArgument("required_dst_info_num must be >= 1")
-        if info.decode_prefix_len % self.kv_args.page_size:
-            raise InvalidArgument(f"decode_prefix_len {info.decode_prefix_len} is not a multiple of "
-                                  f"page_size {self.kv_args.page_size}")
-
     def _on_abort(self, msg: Abort, now: float) -> None:
         """Fail the room; decode learns that nothing more will be written from a Status, sent once the
         writes into that destination settled (at once when none can be in flight)."""
@@ -297,8 +220,8 @@ class PrefillCore(PeerRules, WriteRules):
         early = self.early.get(msg.room)
         parked = None if early is None else early.infos.get(msg.decode_id)
         if early is not None and parked is not None and parked.epoch == msg.epoch:
-            del early.infos[msg.decode_id]  # its destination waited for a sender: never used now
-            early.aborts[msg.decode_id] = msg
+            self.early.unpark(early, msg.decode_id)  # its destination waited for a sender: never used now
+            self.early.keep_abort(early, msg)
         elif current is not None and not self._later_request(current, msg.decode_id, msg.epoch):
             if msg.decode_id not in current.destinations:  # the abort came before that decode's destination
                 if not msg.destination_sent:
@@ -308,8 +231,9 @@ class PrefillCore(PeerRules, WriteRules):
             self._notice_answered(msg.room, msg.decode_id, msg.epoch, msg.required)
         elif not msg.destination_sent:  # a sender created later fails at once instead of at its timeout
             early = self.early.get_or_add(msg.room, now)
-            if early is not None:
-                early.aborts[msg.decode_id] = msg
+            if early is not None and not self.early.keep_abort(early, msg):
+                self._drop("early_abort", f"room {msg.room}: abort of {msg.decode_id[:8]} not kept (early bounds)")
+                self.early.discard_if_empty(msg.room)
         ack()
 
     # -- rooms ----------------------------------------------------------------------------
@@ -349,10 +273,11 @@ class PrefillCore(PeerRules, WriteRules):
             self.draining.pop(room, None)
             self._retire(room, now)
 
-    @staticmethod
-    def _answered(room: SenderRoom, decode_id: str, epoch: int, required: int) -> None:
-        """``decode_id`` is not a destination of ``room`` but needs nothing more from it."""
-        room.answered[decode_id] = epoch
+    def _answered(self, room: SenderRoom, decode_id: str, epoch: int, required: int) -> None:
+        """``decode_id`` is not a destination of ``room`` but needs nothing more from it (kept for at most
+        as many decode ranks as there can be peers: aborts come from anyone)."""
+        if decode_id in room.answered or len(room.answered) < self.config.max_peers:
+            room.answered[decode_id] = epoch
         if room.required is None:
             room.required = required
 
@@ -360,9 +285,8 @@ class PrefillCore(PeerRules, WriteRules):
         """A decode rank learnt of the failure notice of ``room`` (or aborted): the notice goes once
         every decode rank of the room did."""
         early = self.early.get(room)
-        if early is None:
+        if early is None or not self.early.mark_answered(early, decode_id, epoch):
             return
-        early.answered[decode_id] = epoch
         early.required = early.required or required
         if len(early.answered) >= early.required:
             self.early.pop(room)
@@ -375,10 +299,9 @@ class PrefillCore(PeerRules, WriteRules):
         if room.required is not None and len(answered) >= room.required:
             return  # every decode rank of the room was told or needs nothing: no notice to leave
         early = self.early.get_or_add(room.room, now)
-        if early is not None:
-            early.failed = room.reason
-            early.answered = answered
-            early.required = room.required
+        if early is not None and not self.early.leave_notice(early, room.reason or "failed", answered, room.required):
+            self._drop("early_notice", f"room {room.room}: failure notice not kept (max_early_bytes)")
+            self.early.discard_if_empty(room.room)
 
     def _check_page_counts(self, room: SenderRoom, now: float) -> None:
         for dest in room.destinations.values():
@@ -391,7 +314,7 @@ class PrefillCore(PeerRules, WriteRules):
 
     def _status(self, peer: DecodePeer, room: int, epoch: int, ok: bool, reason: str) -> None:
         if peer.phase is PeerPhase.CONNECTED and self.peers.get(peer.name) is peer:
-            self._emit(Send(peer.endpoint, Status(room, epoch, self.name, self.sender_rank, ok, reason)))
+            self._emit(Send(peer.endpoint, Status(room, epoch, self.name, peer.session, self.sender_rank, ok, reason)))
 
     def _maybe_closed(self) -> None:
         if self.closing and not self.closed and not self.posts and not self.retired:
@@ -403,6 +326,7 @@ class PrefillCore(PeerRules, WriteRules):
     def room_counts(self) -> dict[str, int]:
         """Per-room table sizes; all zero once every room was cleared and settled."""
         return {"senders": len(self.rooms), "draining_rooms": len(self.draining), "early_rooms": len(self.early),
+                "early_bytes": self.early.nbytes + self.early.pending, "destination_checks": self.destination_checks(),
                 "queued_writes": len(self._queue), "posts": len(self.posts), "inflight_bytes": self.inflight_bytes}
 
     def snapshot(self, now: float) -> dict[str, Any]:

@@ -53,7 +53,8 @@ class PeerRules(Core):
             if self.peers.get(peer.name) is peer:
                 del self.peers[peer.name]
             self.stats["peers_refused"] += 1
-            log.warning("refused decode peer %s at %s: %s", peer.name[:8], peer.endpoint, error)
+            log.warning("refused decode peer %s at %s: %s", peer.name[:8], peer.endpoint, str(error))  # (not the
+            # exception: a handler that keeps records would keep its traceback, and the rows in its frames)
             self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, False, str(error))))
             return
         peer.phase = PeerPhase.CONNECTED
@@ -139,12 +140,12 @@ class PeerRules(Core):
             refuse(f"too many decode peers ({self.config.max_peers})")
             return
         try:
-            plan = plan_peer(self.kv_args, reg)
+            plan = plan_peer(self.kv_args, reg, max_rows=self.config.max_peer_dlist_rows)
         except AsyncKVError as exc:
             log.warning("refused decode peer %s at %s: %s", reg.decode_id[:8], reg.endpoint, exc)
             refuse(str(exc))
             return
-        peer = DecodePeer.from_register(reg, plan, now, MAX_LEASE_S)
+        peer = DecodePeer.from_register(reg, plan, now, MAX_LEASE_S, self.kv_args.tp_size)
         if current is not None:  # the decode forgot its old session with us: void it first
             self.drop_peer(current, PeerRestarted(
                 f"decode {reg.decode_id[:8]} registered again (session {reg.session})"), now, say_bye=False)

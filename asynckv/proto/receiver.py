@@ -25,6 +25,8 @@ class RankProgress:
     dummy: bool
     sent: bool = False
     """The room's destination went to this rank (it may write, unless it is a dummy)."""
+    session: int | None = None
+    """The registration session the destination went in: only a status naming it counts."""
     done: bool = False
     """It reported a terminal status: it writes nothing more into the room."""
     fenced_at: float | None = None

@@ -9,7 +9,9 @@ import collections
 import dataclasses
 import enum
 
+from .destinations import DestinationLimits
 from .messages import Register, TransferInfo
+from .registration import registered_slots
 from .states import SENDER_POLL, SENDER_TRANSITIONS, Event, KVPoll, Outcome, SenderState, transition
 from .topology import PeerPlan
 
@@ -37,6 +39,9 @@ class DecodePeer:
     num_state_slots: int
     lease_s: float
     started: float
+    required: int = 1
+    """Decode ranks that send each room's destination, for this peer's TP size and ours (as decode's
+    ``plan_targets`` computes it): what its destinations must say, and how many a room can have."""
     phase: PeerPhase = PeerPhase.CONNECTING
     connecting: bool = False
     """A ConnectPeer was emitted and the data plane has not answered yet."""
@@ -68,12 +73,20 @@ class DecodePeer:
     def session(self) -> int:
         return self.reg.session
 
+    @property
+    def limits(self) -> DestinationLimits:
+        """What this peer's destinations are checked against."""
+        return DestinationLimits(self.num_pages, self.num_state_slots, self.num_aux_rows, self.required,
+                                 self.reg.page_size)
+
     @classmethod
-    def from_register(cls, reg: Register, plan: PeerPlan, now: float, max_lease_s: float) -> DecodePeer:
-        pages = min((n // i for n, i in zip(reg.kv_lens, reg.kv_item_lens, strict=True)), default=0)
-        aux = min((n // i for n, i in zip(reg.aux_lens, reg.aux_item_lens, strict=True)), default=0)
-        state = min((n // i for n, i in zip(reg.state_lens, reg.state_item_lens, strict=True)), default=0)
-        return cls(reg, plan, pages, aux, state, min(reg.lease_ms / 1000, max_lease_s), now)
+    def from_register(cls, reg: Register, plan: PeerPlan, now: float, max_lease_s: float,
+                      local_tp: int = 1) -> DecodePeer:
+        pages = registered_slots(reg.kv_lens, reg.kv_item_lens)
+        aux = registered_slots(reg.aux_lens, reg.aux_item_lens)
+        state = registered_slots(reg.state_lens, reg.state_item_lens)
+        required = reg.tp_size // local_tp if reg.tp_size >= local_tp else 1
+        return cls(reg, plan, pages, aux, state, min(reg.lease_ms / 1000, max_lease_s), now, required)
 
 
 @dataclasses.dataclass(eq=False, slots=True)

@@ -28,6 +28,7 @@ from ..errors import LayoutMismatch, RemoteProtocolError
 from ..layout import KVArgs, entry_keys
 from .bootstrap import PayloadError, PrefillRank
 from .messages import PROTOCOL_VERSION, Register
+from .registration import check_pool_size, check_registration, check_tp
 
 __all__ = [
     "HeadSlice",
@@ -37,10 +38,12 @@ __all__ = [
     "Target",
     "TargetPlan",
     "check_compatible",
+    "check_metadata_name",
     "check_registration",
     "head_slice",
     "plan_peer",
     "plan_targets",
+    "stub_agent_metadata",
 ]
 
 U64 = npt.NDArray[np.uint64]
@@ -115,12 +118,6 @@ def check_compatible(instance: PrefillInstance, *, page_size: int, kv_dtype: str
             raise LayoutMismatch(f"{name} mismatch: prefill has {theirs!r}, decode has {ours!r}")
 
 
-def _check_tp(tp_prefill: int, tp_decode: int) -> None:
-    if tp_prefill % tp_decode and tp_decode % tp_prefill:
-        raise LayoutMismatch(f"tp_size mismatch: prefill has {tp_prefill}, decode has {tp_decode}; "
-                             f"one must divide the other")
-
-
 def head_group(rank: int, tp_size: int, total_heads: int) -> int:
     """Which group of heads a rank holds (ranks beyond the head count replicate)."""
     return rank // max(1, tp_size // total_heads)
@@ -131,7 +128,7 @@ def plan_targets(instance: PrefillInstance, *, room: int, tp_size: int, engine_r
                  total_kv_heads: int = 1) -> TargetPlan:
     """Resolve the target ranks of one room (the DP group is ``room % dp_size``)."""
     tp_p, tp_d = instance.tp_size, tp_size
-    _check_tp(tp_p, tp_d)
+    check_tp(tp_p, tp_d)
     if pp_size == instance.pp_size:
         stages = [pp_rank]
     elif pp_size == 1:
@@ -322,9 +319,14 @@ def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
     return StatePlan("blocks", src, dst, blocks=_mamba_blocks(local, reg, src, dst))
 
 
-def plan_peer(local: KVArgs, reg: Register) -> PeerPlan:
-    """Prefill side: validate a decode rank's registration and plan every write into it."""
+def plan_peer(local: KVArgs, reg: Register, *, max_rows: int | None = None) -> PeerPlan:
+    """Prefill side: validate a decode rank's registration and plan every write into it.
+
+    Its claimed pool is bounded here, before any destination row exists (``check_pool_size``).
+    """
+    check_metadata_name(reg.agent_metadata, reg.decode_id)  # before anything is built from its claims
     check_registration(local, reg)
+    check_pool_size(local, reg, max_rows)
     src, dst = _pair(local.layer_ids, reg.kv_layer_ids, "KV")
     items_s = np.asarray(local.kv_item_lens, dtype=np.uint64)[src]
     items_d = np.asarray(reg.kv_item_lens, dtype=np.uint64)[dst]
@@ -343,34 +345,31 @@ def plan_peer(local: KVArgs, reg: Register) -> PeerPlan:
     return PeerPlan(src, dst, sliced, _state_plan(local, reg))
 
 
-def check_registration(local: KVArgs, reg: Register) -> None:
-    """Refuse a decode rank whose geometry cannot receive ours, naming both values."""
-    checks: list[tuple[str, object, object]] = [
-        ("page_size", local.page_size, reg.page_size),
-        ("kv_dtype", local.kv_dtype, reg.kv_dtype),
-        ("is_mla", local.is_mla, reg.is_mla),
-        ("total_kv_head_num", local.total_kv_head_num, reg.total_kv_head_num),
-        ("number of aux buffers", len(local.aux_data_ptrs), len(reg.aux_ptrs)),
-    ]
-    for name, ours, theirs in checks:
-        if ours != theirs:
-            raise LayoutMismatch(f"{name} mismatch: prefill has {ours!r}, decode has {theirs!r}")
-    _check_tp(local.tp_size, reg.tp_size)
-    n = len(reg.kv_ptrs)
-    if not len(reg.kv_lens) == len(reg.kv_item_lens) == len(reg.kv_layer_ids) == n:
-        raise LayoutMismatch("decode registration: kv_ptrs/kv_lens/kv_item_lens/kv_layer_ids lengths differ")
-    if not len(reg.aux_lens) == len(reg.aux_item_lens) == len(reg.aux_ptrs):
-        raise LayoutMismatch("decode registration: aux_ptrs/aux_lens/aux_item_lens lengths differ")
-    if not len(reg.state_lens) == len(reg.state_item_lens) == len(reg.state_ptrs):
-        raise LayoutMismatch("decode registration: state_ptrs/state_lens/state_item_lens lengths differ")
-    for i, (ours_item, theirs_item) in enumerate(zip(local.aux_item_lens, reg.aux_item_lens, strict=True)):
-        if ours_item != theirs_item:
-            raise LayoutMismatch(f"aux buffer {i} row size mismatch: prefill has {ours_item} bytes, "
-                                 f"decode has {theirs_item}")
-    for what, lens, items in (("KV", reg.kv_lens, reg.kv_item_lens), ("aux", reg.aux_lens, reg.aux_item_lens),
-                              ("state", reg.state_lens, reg.state_item_lens)):
-        for i, (length, item) in enumerate(zip(lens, items, strict=True)):
-            if item <= 0 or length < item:
-                raise LayoutMismatch(f"decode {what} entry {i}: item_len {item} vs data_len {length}")
-    if reg.mem_kind not in ("DRAM", "VRAM"):
-        raise LayoutMismatch(f"decode mem_kind must be DRAM or VRAM, got {reg.mem_kind!r}")
+_NIXL_MD_PREFIX = b"nixlSerDes|Agent"
+
+
+def metadata_agent_name(metadata: bytes) -> bytes | None:
+    """The agent name inside NIXL agent metadata (``nixlSerDes|Agent`` + u64 LE length + name),
+    read without loading it; None if the blob does not start that way."""
+    start = len(_NIXL_MD_PREFIX) + 8
+    if len(metadata) < start or not metadata.startswith(_NIXL_MD_PREFIX):
+        return None
+    size = int.from_bytes(metadata[len(_NIXL_MD_PREFIX):start], "little")
+    if size > 4096 or len(metadata) < start + size:
+        return None
+    return bytes(metadata[start:start + size])
+
+
+def stub_agent_metadata(name: str) -> bytes:
+    """Agent metadata that names ``name`` and nothing else (for simulations and unit tests)."""
+    raw = name.encode()
+    return _NIXL_MD_PREFIX + len(raw).to_bytes(8, "little") + raw + b"|stub"
+
+
+def check_metadata_name(metadata: bytes, decode_id: str) -> None:
+    """Refuse agent metadata that does not name ``decode_id``: loading it would touch (and undoing
+    it would remove) another agent's connection."""
+    name = metadata_agent_name(metadata)
+    if name != decode_id.encode():
+        shown = "no NIXL agent metadata" if name is None else f"agent {name[:64]!r}"
+        raise RemoteProtocolError(f"registration of {decode_id[:64]!r} carries {shown}")

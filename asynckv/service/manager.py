@@ -21,11 +21,11 @@ import numpy as np
 from ..config import Config
 from ..errors import ClosedError, InvalidArgument, LocalProtocolError
 from ..layout import KVArgs
-from ..proto.auth import Authenticator
+from ..proto.auth import PROTECTED_MODE_REASON, Authenticator, is_loopback
 from ..proto.bootstrap import PrefillRank
-from ..proto.decode import DecodeCore
+from ..proto.decode import DecodeCore, random_sessions
 from ..proto.liveness import PeerState
-from ..proto.messages import Message, Register, VersionMismatch
+from ..proto.messages import Message, Register, RegisterResult, VersionMismatch
 from ..proto.prefill import PrefillCore
 from ..proto.topology import PrefillInstance
 from ..transport.base import DataPlane
@@ -140,6 +140,20 @@ class KVManager:
             await self.close()
             raise
         log.info("%s manager %s ready at %s", self.mode.value, self.name[:8], self.endpoint)
+        self._log_security()
+
+    def _log_security(self) -> None:
+        """One line at start saying who this manager hears (see docs/security.md)."""
+        cfg = self.config
+        if cfg.auth_token:
+            log.info("%s: control traffic authenticated (ASYNCKV_AUTH_TOKEN set)", self.name[:8])
+        elif cfg.allow_unauthenticated:
+            log.warning("%s: ASYNCKV_ALLOW_UNAUTHENTICATED=1: unauthenticated control traffic accepted from any "
+                        "host; anyone who reaches %s can make this rank write or read KV pages",
+                        self.name[:8], self.endpoint)
+        else:
+            log.info("%s: protected mode: no ASYNCKV_AUTH_TOKEN, control traffic accepted from loopback only%s",
+                     self.name[:8], "" if is_loopback(cfg.host) else f" (bound to {cfg.host}: remote peers refused)")
 
     async def _start(self) -> None:
         cfg, prefill = self.config, self.mode is Mode.PREFILL
@@ -152,7 +166,8 @@ class KVManager:
         metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill))
         auth = Authenticator(cfg.auth_token) if cfg.auth_token else None
         control = self._control = ControlChannel(cfg.host, self._on_message, self._on_version_mismatch,
-                                                 cfg.send_timeout_s, auth)
+                                                 cfg.send_timeout_s, auth, loopback_only=cfg.protected,
+                                                 on_refused=self._on_refused)
         endpoint = await control.start()
         if prefill:
             core = PrefillCore(self.name, endpoint, self.kv_args, cfg)
@@ -160,11 +175,12 @@ class KVManager:
             await self._start_prefill()
         else:
             register = _register_template(self.name, endpoint, self.kv_args, scratch, metadata)
-            self._svc = DecodeService(DecodeCore(self.name, endpoint, self.kv_args, cfg, register), control,
-                                      self._http, cfg, labels)
+            decode = DecodeCore(self.name, endpoint, self.kv_args, cfg, register, random_sessions())
+            self._svc = DecodeService(decode, control, self._http, cfg, labels)
         metrics.register_manager(self)
         if cfg.ops_port >= 0:
-            self.ops_server = await OpsServer(cfg.host, cfg.ops_port, lambda: self.healthy).start()
+            self.ops_server = await OpsServer(cfg.host, cfg.ops_port, lambda: self.healthy, auth_token=cfg.auth_token,
+                                              allow_unauthenticated=cfg.allow_unauthenticated).start()
 
     def _expecting(self) -> bool:
         svc = self._svc
@@ -177,7 +193,8 @@ class KVManager:
         host, port = split_addr(addr)
         # Port 0 asks for an embedded server on a free port (tests, single-instance demos).
         if port == 0 or (self.config.host_bootstrap and not await self._http.is_up(addr)):
-            server = BootstrapServer(host, port, self.config.auth_token)
+            server = BootstrapServer(host, port, self.config.auth_token,
+                                     allow_unauthenticated=self.config.allow_unauthenticated)
             try:
                 await server.start()
             except OSError as exc:  # another rank of this instance won the race
@@ -191,7 +208,9 @@ class KVManager:
             tp_size=a.tp_size, tp_rank=a.engine_rank, pp_size=a.pp_size, pp_rank=a.pp_rank,
             dp_size=a.dp_size, dp_rank=a.dp_rank, endpoint=self.endpoint, agent_id=self.name,
             page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
-        await self._http.register(addr, self._my_rank, self.config.register_attempts)
+        lease_s = await self._http.register(addr, self._my_rank, self.config.register_attempts)
+        # Renewed until close() unregisters: a crashed rank's entry lapses, so its restart may replace it.
+        self._http.keep_registered(addr, self._my_rank, lease_s)
 
     async def close(self) -> None:
         """Fail every unfinished room; once every write settled say goodbye; release everything."""
@@ -253,6 +272,17 @@ class KVManager:
         if self._svc is not None and not self._pump_closed:
             self._svc.feed("receive", msg)
 
+    def _on_refused(self, msg: Message, origin: str) -> None:
+        """Protected mode refused a message from ``origin``: a registration hears why, if its endpoint
+        is on that same address (a forged endpoint must not turn us into a reflector)."""
+        control = self._control
+        if control is None or self.mode is not Mode.PREFILL or not isinstance(msg, Register):
+            return
+        host = msg.endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        if host == origin:
+            control.send(msg.endpoint, RegisterResult(self.name, msg.decode_id, msg.session, False,
+                                                      PROTECTED_MODE_REASON))
+
     def _on_version_mismatch(self, exc: VersionMismatch) -> None:
         svc = self._svc
         if isinstance(svc, PrefillService):
@@ -301,7 +331,8 @@ class KVManager:
 
 
 def _nixl_plane(name: str, config: Config, expecting: Callable[[], bool]) -> DataPlane:
-    return NixlDataPlane(name, backend=config.nixl_backend, idle_poll_s=config.idle_poll_s, expecting=expecting)
+    return NixlDataPlane(name, backend=config.nixl_backend, idle_poll_s=config.idle_poll_s, expecting=expecting,
+                         loopback_only=config.protected)  # protected mode: UCX listens on loopback only too
 
 
 def _register_template(name: str, endpoint: str, a: KVArgs, scratch: tuple[int, int], metadata: bytes) -> Register:

@@ -1,4 +1,5 @@
-"""The operator's HTTP routes: ``/metrics`` (Prometheus), ``/peers`` (JSON) and ``/health``.
+"""The operator's HTTP routes: ``/metrics`` (Prometheus), ``/peers`` (JSON) and ``/health``,
+and ``serve``, which every asynckv HTTP server starts through.
 
 Served by the bootstrap server and, for a manager that hosts none, by its own
 ``OpsServer``. Everything here reads ``KVManager.snapshot()``: plain JSON types only.
@@ -6,15 +7,48 @@ Served by the bootstrap server and, for a manager that hosts none, by its own
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..proto.auth import PROTECTED_MODE_REASON, is_loopback
 from . import metrics
 
-__all__ = ["OpsServer", "add_ops_routes", "peers_view", "serve"]
+__all__ = ["HttpLimits", "HttpService", "OpsServer", "add_ops_routes", "loopback_only", "peers_view", "serve"]
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Paths anyone may read in protected mode; every other path is loopback only."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one client may hold of an HTTP server (aiohttp bounds none of it by default)."""
+
+    max_connections: int = 256
+    """Open connections at most; the oldest is closed to admit a new one (an fd limit of 1,024
+    is shared with ZMQ and UCX: idle connections must not starve them)."""
+    header_timeout_s: float = 10.0
+    """A connection must complete each request's headers this soon after it opened or after its
+    last answer, else it is closed: aiohttp's keep-alive timer, which (3.14) starts at accept and
+    is not pushed back by bytes that trickle in (tested)."""
+    body_timeout_s: float = 10.0
+    """A request body must arrive this soon once its headers did, else 408."""
+    max_line_size: int = 4096
+    max_field_size: int = 4096
+    max_headers: int = 32
+    lingering_s: float = 1.0
+    """How long the rest of an unread body is drained before the connection is closed."""
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise ValueError(f"bad HTTP limits: {self}")
 
 
 def peers_view() -> list[dict[str, Any]]:
@@ -25,7 +59,7 @@ def peers_view() -> list[dict[str, Any]]:
         for peer in snap["peers"]:
             ago = peer["last_heard_s_ago"]
             out.append({"manager": mgr.name, "mode": snap["mode"], "peer": peer["peer"],  # the incarnation
-                        "endpoint": peer["endpoint"], "session": peer["session"], "phase": peer["phase"],
+                        "endpoint": peer["endpoint"], "phase": peer["phase"],  # (never the session: it is a secret)
                         "state": "alive" if peer["alive"] else "late",
                         "last_heartbeat_s_ago": None if ago is None else round(max(0.0, ago), 3),
                         "inflight_rooms": peer["rooms"]})
@@ -47,16 +81,112 @@ def add_ops_routes(app: web.Application) -> None:
     app.router.add_route("GET", "/peers", _peers)
 
 
-async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start ``app`` on host:port (0: any free port); returns the runner and the bound port."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+def loopback_only(open_paths: Collection[str] = OPEN_PATHS,
+                  on_refused: Callable[[], None] | None = None) -> Middleware:
+    """Protected mode: every path but ``open_paths`` answers 403 with the reason to a non-loopback client."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in open_paths or is_loopback(request.remote or ""):
+            return await handler(request)
+        if on_refused is not None:
+            on_refused()
+        return web.json_response({"error": PROTECTED_MODE_REASON}, status=403)
+
+    return middleware
+
+
+class _Quiet(logging.Filter):
+    """aiohttp logs every malformed request at ERROR with a traceback: a hostile client could fill
+    the disk. Passes ``burst`` records per ``period_s``, one line each, and counts the rest."""
+
+    def __init__(self, period_s: float = 10.0, burst: int = 5) -> None:
+        super().__init__()
+        self._period, self._burst = period_s, burst
+        self._start, self._count = 0.0, 0
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self._start > self._period:
+            self._start, self._count = now, 0
+        self._count += 1
+        if self._count > self._burst:
+            self.suppressed += 1
+            return False
+        if record.exc_info and record.exc_info[1] is not None:
+            record.msg, record.args = f"{record.getMessage()}: {record.exc_info[1]!r}", ()
+            record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+http_log = logging.getLogger("asynckv.http")
+http_log.addFilter(_Quiet())
+
+
+class HttpService:
+    """A started aiohttp app: the runner, the listening socket and the connection cap."""
+
+    def __init__(self, runner: web.AppRunner, limits: HttpLimits) -> None:
+        self._runner = runner
+        self._limits = limits
+        self._listener: asyncio.AbstractServer | None = None
+        self.port = 0
+        self.evicted = 0
+        """Connections closed to admit a newer one (the cap was reached)."""
+
+    @property
+    def app(self) -> web.Application:
+        return self._runner.app
+
+    @property
+    def open_connections(self) -> int:
+        server = self._runner.server
+        return 0 if server is None else sum(1 for h in server.connections if h.transport is not None)
+
+    def _accept(self) -> asyncio.BaseProtocol:
+        """Protocol factory: over the cap, close the oldest open connection first. An attacker's idle
+        or half-sent connections are older than a real client's fresh one, so real requests get in
+        (closing the newest instead would lock every new client out until the old ones time out)."""
+        server = self._runner.server
+        assert server is not None
+        # Connections accepted in this loop iteration are not listed until their connection_made:
+        # a burst may exceed the cap by asyncio's accept batch (the backlog) until the next accept.
+        live = [h for h in server.connections if h.transport is not None]
+        for handler in live[:max(0, len(live) - self._limits.max_connections + 1)]:
+            handler.force_close()
+            self.evicted += 1
+        return server()
+
+    async def start(self, host: str, port: int) -> HttpService:
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(self._accept, host, port, reuse_address=True)
+        self.port = int(self._listener.sockets[0].getsockname()[1])
+        return self
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        await self._runner.cleanup()
+
+
+async def serve(app: web.Application, host: str, port: int, limits: HttpLimits | None = None) -> HttpService:
+    """Start ``app`` on host:port (0: any free port) within ``limits``."""
+    limits = limits or HttpLimits()
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                           keepalive_timeout=limits.header_timeout_s, max_line_size=limits.max_line_size,
+                           max_field_size=limits.max_field_size, max_headers=limits.max_headers,
+                           lingering_time=limits.lingering_s, logger=http_log, shutdown_timeout=1.0,
+                           auto_decompress=False)  # no client of ours compresses; a 64 KiB gzip bomb is 64 MiB
     await runner.setup()
+    service = HttpService(runner, limits)
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        return await service.start(host, port)
     except BaseException:
         await runner.cleanup()
         raise
-    return runner, int(runner.addresses[0][1])
 
 
 def safe_check(check: Callable[[], bool]) -> bool:
@@ -67,19 +197,26 @@ def safe_check(check: Callable[[], bool]) -> bool:
 
 
 class OpsServer:
-    """``/health``, ``/metrics`` and ``/peers`` of a manager that hosts no bootstrap server."""
+    """``/health``, ``/metrics`` and ``/peers`` of a manager that hosts no bootstrap server.
 
-    def __init__(self, host: str, port: int, healthy: Callable[[], bool]) -> None:
+    Without ``auth_token`` and ``allow_unauthenticated`` (protected mode) ``/peers`` answers
+    loopback clients only; ``/health`` and ``/metrics`` stay open."""
+
+    def __init__(self, host: str, port: int, healthy: Callable[[], bool], *, auth_token: str = "",
+                 allow_unauthenticated: bool = False, limits: HttpLimits | None = None) -> None:
         self.host = host
         self.port = port
         self._healthy = healthy
-        self._runner: web.AppRunner | None = None
+        self._protected = not auth_token and not allow_unauthenticated
+        self._limits = limits or HttpLimits()
+        self._http: HttpService | None = None
 
     async def start(self) -> OpsServer:
-        app = web.Application()
+        app = web.Application(middlewares=[loopback_only()] if self._protected else [])
         app.router.add_route("GET", "/health", self._health)
         add_ops_routes(app)
-        self._runner, self.port = await serve(app, self.host, self.port)
+        self._http = await serve(app, self.host, self.port, self._limits)
+        self.port = self._http.port
         return self
 
     @property
@@ -91,6 +228,6 @@ class OpsServer:
         return web.json_response({"status": "ok" if ok else "failing"}, status=200 if ok else 503)
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None

@@ -9,10 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Config
-from ..errors import AsyncKVError
+from ..errors import AsyncKVError, ClosedError
 from ..proto import actions as act
+from ..proto.destinations import CheckDestination
 from ..proto.prefill import PrefillCore
-from ..proto.sender import DecodePeer, SenderRoom
+from ..proto.sender import DecodePeer, PeerPhase, SenderRoom
 from ..transport.base import ControlPlane, DataPlane, Write
 from . import metrics
 from .pump import Pump
@@ -39,11 +40,14 @@ class PrefillService(Pump):
         """Posts whose descriptors are being built off the loop (-> the cancel that came meanwhile)."""
         self._posted: dict[int, tuple[str, str, int, float]] = {}
         """post id -> (peer, kind, bytes, monotonic time handed to the data plane), for metrics."""
+        self._connect_slots = asyncio.Semaphore(config.max_connecting_peers)
+        """Registrations that build their destination rows and connect at once; the rest wait, in order."""
         data.on_settled = self._on_settled
         self.handlers.update({
             act.Post: self._on_post, act.CancelPosts: self._on_cancel, act.SetLease: self._on_lease,
             act.ConnectPeer: self._on_connect, act.DisconnectPeer: self._on_disconnect,
             act.RoomReady: self._on_ready, act.ChunkPosted: self._on_chunk, act.Finished: self._on_finished,
+            CheckDestination: self._on_check,
         })
 
     def use_data_plane(self, data: DataPlane) -> None:
@@ -61,7 +65,7 @@ class PrefillService(Pump):
     # -- writes --------------------------------------------------------------------------
 
     def _on_post(self, a: act.Post) -> None:
-        if self.builder.rows_estimate(a) < self.config.offload_min_descs:
+        if self.builder.descriptor_count(a) < self.config.offload_min_descs:
             try:
                 write = self.builder.build(a)
             except Exception as exc:
@@ -118,17 +122,38 @@ class PrefillService(Pump):
     def _on_lease(self, a: act.SetLease) -> None:
         self.data.set_lease(a.peer, a.until)
 
+    # -- destinations ----------------------------------------------------------------------
+
+    def _on_check(self, a: CheckDestination) -> None:
+        self.spawn(self._check_off_loop(a), "asynckv-check")
+
+    async def _check_off_loop(self, a: CheckDestination) -> None:
+        """A large destination's index check, on a worker thread (the core holds that peer's later
+        messages until it answers, so their order is kept)."""
+        try:
+            reason = await asyncio.to_thread(a.run)
+        except Exception as exc:  # a bug must not wedge the peer: its messages wait for this answer
+            log.exception("checking a destination of room %d failed", a.info.room)
+            reason = f"destination check failed: {exc!r}"
+        self.feed("destination_checked", a.token, reason)
+
     # -- peers ---------------------------------------------------------------------------
 
     def _on_connect(self, a: act.ConnectPeer) -> None:
         self.spawn(self._connect(a.peer), f"asynckv-connect-{a.peer.name[:8]}")
 
     async def _connect(self, peer: DecodePeer) -> None:
-        """Import the peer, prepare its destination (off the loop), and warm the connection up."""
+        """Import the peer and prepare its destination (off the loop, at most
+        ``max_connecting_peers`` at once: the rows are the memory a registration costs), then warm
+        the connection up."""
         reg = peer.reg
         try:
-            rows = await asyncio.to_thread(self.builder.add_peer, peer)
-            await self.data.connect_peer(peer.name, reg.agent_metadata, rows, reg.mem_kind)
+            async with self._connect_slots:  # FIFO: registrations connect in the order they came
+                if peer.phase is PeerPhase.DRAINING:  # dropped while it waited: build nothing
+                    raise ClosedError(f"decode peer {peer.name[:8]} dropped before it connected")
+                rows = await asyncio.to_thread(self.builder.add_peer, peer)
+                await self.data.connect_peer(peer.name, reg.agent_metadata, rows, reg.mem_kind)
+                del rows
             try:
                 await self.data.warm_up(peer.name, (reg.scratch_ptr, reg.scratch_len),
                                         self.config.handshake_timeout_s)
@@ -139,7 +164,8 @@ class PrefillService(Pump):
             if not isinstance(exc, AsyncKVError):
                 log.exception("setting up decode peer %s failed", peer.name[:8])
             self.builder.remove_peer(peer.name)
-            self.feed("peer_connected", peer, exc)
+            # Its traceback's frames hold the rows (hundreds of MiB for a large claim): the core needs the reason.
+            self.feed("peer_connected", peer, exc.with_traceback(None))
             return
         self.feed("peer_connected", peer, None)
 

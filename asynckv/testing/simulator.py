@@ -44,7 +44,7 @@ from ..proto.prefill import PrefillCore
 from ..proto.receiver import ReceiverRoom
 from ..proto.sender import SenderRoom
 from ..proto.states import ReceiverState
-from ..proto.topology import PrefillInstance
+from ..proto.topology import PrefillInstance, stub_agent_metadata
 from .sim_dataplane import SimDataPlane, SimPost
 
 __all__ = ["SIM_CONFIG", "FaultMix", "SimNode", "World"]
@@ -183,7 +183,8 @@ class World(SimDataPlane):
             kv_layer_ids=args.layer_ids, aux_ptrs=tuple(args.aux_data_ptrs), aux_lens=tuple(args.aux_data_lens),
             aux_item_lens=tuple(args.aux_item_lens), scratch_ptr=0x100, scratch_len=64,
             kv_head_num=args.kv_head_num, total_kv_head_num=HEADS, state_type="none", state_ptrs=(), state_lens=(),
-            state_item_lens=(), state_layer_ids=(), state_dims=(), state_outer=(), agent_metadata=name.encode())
+            state_item_lens=(), state_layer_ids=(), state_dims=(), state_outer=(),
+            agent_metadata=stub_agent_metadata(name))
         core = DecodeCore(name, endpoint, args, self.config, register)
         node = SimNode("decode", group, rank, incarnation, core, endpoint)
         self._place(node, self.decode)

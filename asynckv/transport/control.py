@@ -10,6 +10,11 @@ This module owns the ZMQ context and every socket. Two promises:
 
 The reader never dies: every message is decoded and handled inside its own error
 boundary; a bad one is counted, logged (rate limited) and dropped.
+
+In protected mode (no token, no opt-out: ``Config.protected``) a message whose TCP peer is not
+on loopback is dropped unread (``dropped["not_loopback"]``); a registration from such a peer is
+answered with the reason, but only to an endpoint on the address it came from (never reflected
+to a third host).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from ..errors import RemoteProtocolError
-from ..proto.auth import Authenticator, AuthError
+from ..proto.auth import PROTECTED_MODE_REASON, Authenticator, AuthError, is_loopback
 from ..proto.messages import Message, VersionMismatch, decode, encode
 
 __all__ = ["ControlChannel", "RateLimitedLog"]
@@ -74,12 +79,17 @@ class ControlChannel:
 
     def __init__(self, host: str, on_message: Callable[[Message], None],
                  on_version_mismatch: Callable[[VersionMismatch], None] | None = None,
-                 send_timeout_s: float = 5.0, auth: Authenticator | None = None) -> None:
+                 send_timeout_s: float = 5.0, auth: Authenticator | None = None, loopback_only: bool = False,
+                 on_refused: Callable[[Message, str], None] | None = None) -> None:
         self._host = host
         self._on_message = on_message
         self._on_version_mismatch = on_version_mismatch
         self._send_timeout_s = send_timeout_s
         self._auth = auth
+        self._loopback_only = loopback_only
+        """Protected mode: drop whatever does not come from loopback."""
+        self._on_refused = on_refused
+        """Told of a decodable message refused for its origin (with the origin address)."""
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._peers: dict[str, _Peer] = {}
@@ -123,7 +133,7 @@ class ControlChannel:
             return
         while True:
             try:
-                frames = await pull.recv_multipart(copy=True)
+                parts = await pull.recv_multipart(copy=False)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
@@ -133,13 +143,20 @@ class ControlChannel:
                 await asyncio.sleep(0.01)
                 continue
             self.received += 1
-            self._handle(frames)
+            origin = str(parts[0].get("Peer-Address")) if self._loopback_only else None
+            self._handle([part.bytes for part in parts], origin)
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], origin: str | None = None) -> None:
+        """Open, decode and hand on one message; ``origin``: its TCP peer address, when it matters."""
+        if origin is not None and not is_loopback(origin):
+            self.dropped["not_loopback"] += 1
+            self._rl.warning("not_loopback", "control: refused message from %s: %s", origin, PROTECTED_MODE_REASON)
+            self._refused(frames, origin)
+            return
         if self._auth is not None:
             try:
                 # Freshness needs a clock shared across hosts: the one wall-clock read (see proto.auth).
-                frames = self._auth.open(frames, time.time_ns())
+                frames = self._auth.open(frames, self.endpoint, time.time_ns())
             except AuthError as exc:
                 self.dropped[f"auth_{exc.kind}"] += 1
                 self._rl.warning("auth", "control: refused message: %s", exc)
@@ -169,6 +186,18 @@ class ControlChannel:
             self.dropped["handler"] += 1
             log.exception("control: handler failed for %s", type(msg).__name__)
 
+    def _refused(self, frames: list[bytes], origin: str) -> None:
+        if self._on_refused is None:
+            return
+        try:
+            msg = decode(frames)
+        except Exception:
+            return
+        try:
+            self._on_refused(msg, origin)
+        except Exception:
+            log.exception("control: refusal handler failed for %s", type(msg).__name__)
+
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, endpoint: str, msg: Message) -> None:
@@ -177,7 +206,7 @@ class ControlChannel:
             return
         frames = encode(msg)
         if self._auth is not None:
-            frames = self._auth.seal(frames, time.time_ns())
+            frames = self._auth.seal(frames, endpoint, time.time_ns())
         peer = self._peer(endpoint)
         if not peer.backlog:
             try:

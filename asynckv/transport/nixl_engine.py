@@ -50,6 +50,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError, TransferTimeout, TransportError
+from ..proto.topology import check_metadata_name
+from .agent import nixl_agent
 from .base import U64, DescPiece, MemoryLayout, PreppedPiece, Settled
 from .commands import Cancel, Command, Forget, PostCmd, map_nixl_error
 
@@ -65,22 +67,15 @@ _KEPT_UNTIL_EXIT: list[Any] = []
 _MAX_BUSY_WAIT_S = 250e-6
 
 
-def _nixl_agent(name: str, backend: str) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[backend])
-    return nixl_agent(name, cfg)
-
-
 class NixlEngine:
     """The engine-thread half of ``NixlDataPlane``: the thread, the agent, and every call into it."""
 
     def __init__(self, name: str, *, backend: str = "UCX", idle_poll_s: float = 0.001, deep_idle_s: float = 0.01,
                  expecting: Callable[[], bool] | None = None,
-                 agent_factory: Callable[[str, str], Any] | None = None) -> None:
+                 agent_factory: Callable[[str, str], Any] | None = None, loopback_only: bool = False) -> None:
         self.name = name
         self._backend = backend
-        self._agent_factory = agent_factory or _nixl_agent
+        self._agent_factory = agent_factory or (lambda n, b: nixl_agent(n, b, loopback_only))
         """(name, backend) -> agent, called on the engine thread (tests pass a recording fake)."""
         self._idle_poll_s = idle_poll_s
         self._deep_idle_s = max(deep_idle_s, idle_poll_s)
@@ -145,10 +140,14 @@ class NixlEngine:
         agent = self._agent
         if peer in self._remote:
             raise RemoteProtocolError(f"peer {peer[:8]} is connected already")
-        name = agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != peer:
-            agent.remove_remote_agent(name)
+        # The name is read before loading: metadata naming another agent would merge into (and the
+        # undo would remove) that agent's connection, and a name that is not UTF-8 could not be undone.
+        check_metadata_name(metadata, peer)
+        loaded = agent.add_remote_agent(metadata)
+        name = loaded.decode("utf-8", "replace") if isinstance(loaded, bytes) else str(loaded)
+        if name != peer:  # (cannot happen after the check; never undo what another peer loaded)
+            if name not in self._remote and name not in self._retired:
+                agent.remove_remote_agent(name)
             raise RemoteProtocolError(f"agent metadata names {name!r}, registration says {peer!r}")
         dlist = None
         try:
@@ -261,6 +260,8 @@ class NixlEngine:
                         done.append((cmd.fut, cmd.fn(*cmd.args), None))
                     except BaseException as exc:
                         done.append((cmd.fut, None, map_nixl_error(exc, getattr(cmd.fn, "__name__", "call"))))
+            commands.clear()  # (a connect's destination rows must not live on until the next command)
+            cmd = None
             if self._in_flight:
                 self._check_in_flight(time.monotonic(), done)
             if self._parked:

@@ -27,6 +27,14 @@ def netns_session() -> Iterator[tuple[str, str] | str]:
         drop_netns(made)
 
 
+@pytest.fixture
+def netns(netns_session: tuple[str, str] | str) -> tuple[str, str]:
+    """(namespace, host-side interface) of the veth pair, or the test is skipped with why not."""
+    if isinstance(netns_session, str):
+        pytest.skip(netns_session)
+    return netns_session
+
+
 @dataclasses.dataclass
 class Pair:
     prefill: KVManager

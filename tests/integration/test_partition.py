@@ -53,11 +53,6 @@ def drop_netns(made: tuple[str, str]) -> None:
     _ip("netns", "del", made[0])
 
 
-@pytest.fixture
-def netns(netns_session: tuple[str, str] | str) -> tuple[str, str]:
-    if isinstance(netns_session, str):
-        pytest.skip(netns_session)
-    return netns_session
 
 
 async def test_partition_is_detected_and_fails_rooms_on_both_sides(netns: tuple[str, str]) -> None:
@@ -65,15 +60,17 @@ async def test_partition_is_detected_and_fails_rooms_on_both_sides(netns: tuple[
     spec = DemoSpec(layers=2, kv_heads=2, head_dim=16, page_size=4, min_pages=16, max_pages=16, chunk_pages=2, seed=5,
                     requests=6, inflight=6, chunk_delay_s=1.0)
     pool = KVPool(spec.entries, spec.requests * spec.max_pages, spec.item_bytes, aux_rows=spec.requests)
-    async with BootstrapServer(HOST_IP, 0) as server:
+    token = "partition-test-secret"  # across hosts, protected mode wants a token
+    async with BootstrapServer(HOST_IP, 0, auth_token=token) as server:
         spec = dataclasses.replace(spec, bootstrap=server.addr)
         proc = await asyncio.create_subprocess_exec(
             "ip", "netns", "exec", ns, sys.executable, "-m", "asynckv", "_worker", "prefill",
-            json.dumps(dataclasses.asdict(spec)), env={**os.environ, "ASYNCKV_HOST": NS_IP},
+            json.dumps(dataclasses.asdict(spec)),
+            env={**os.environ, "ASYNCKV_HOST": NS_IP, "ASYNCKV_AUTH_TOKEN": token},
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:
             async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size),
-                                 config=Config(host=HOST_IP, waiting_timeout_s=60)) as d:
+                                 config=Config(host=HOST_IP, waiting_timeout_s=60, auth_token=token)) as d:
                 receivers = []
                 for i, r in enumerate(spec.plan()):
                     receiver = d.receiver(server.addr, r.room)

@@ -9,6 +9,7 @@ from asynckv.errors import InvalidArgument
 from asynckv.kernels import _reference as ref
 from asynckv.kernels import (
     aux_descriptors,
+    check_pages,
     coalesce_runs,
     handle_bounds,
     kv_page_descriptors,
@@ -129,6 +130,36 @@ def test_validate_pages_accepts_unsorted_and_empty() -> None:
     assert validate_pages([9, 0, 4], 10).tolist() == [9, 0, 4]
     assert validate_pages([], 10).size == 0
     assert validate_pages(np.array([3], dtype=np.int32), 10).dtype == np.int64
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 120), max_size=150), st.integers(1, 100),
+       st.sampled_from([np.int32, np.int64, np.uint32]))
+def test_check_pages_refuses_exactly_what_validate_pages_refuses(pages: list[int], num_pages: int,
+                                                                  dtype: type[np.integer]) -> None:
+    """Over the small (Python) and large (numpy) paths, with and without more indices than pages."""
+    if dtype is np.uint32:
+        pages = [p for p in pages if p >= 0]
+    arr = np.array(pages, dtype=dtype)
+    try:
+        want: str | None = None
+        validate_pages(arr, num_pages)
+    except InvalidArgument as exc:
+        want = str(exc)
+    try:
+        got: str | None = None
+        check_pages(arr, num_pages)
+    except InvalidArgument as exc:
+        got = str(exc)
+    assert got == want
+    if want is None:
+        assert len(set(pages)) == len(pages) and all(0 <= p < num_pages for p in pages)
+
+
+def test_check_pages_keeps_the_arrays_dtype_and_finds_a_repeat_in_a_long_array_without_sorting_it() -> None:
+    with pytest.raises(InvalidArgument, match="page 3 appears more than once"):
+        check_pages(np.array([3, 1, 2, 3] + [0] * 10**6, dtype=np.int32), 4)  # more indices than pages
+    check_pages(np.arange(10**6, dtype=np.int32)[::-1], 10**6)
 
 
 def test_aux_descriptors() -> None:

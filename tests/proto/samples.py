@@ -15,6 +15,7 @@ from asynckv.proto.messages import (
     Status,
     TransferInfo,
 )
+from asynckv.proto.topology import stub_agent_metadata
 
 SAMPLES: dict[str, Message] = {
     "register": Register(
@@ -25,7 +26,7 @@ SAMPLES: dict[str, Message] = {
         kv_layer_ids=(0, 0), aux_ptrs=(0x7E0000000000,), aux_lens=(4096,), aux_item_lens=(64,),
         scratch_ptr=0x7D0000000000, scratch_len=4096, kv_head_num=4, total_kv_head_num=8, state_type="mamba",
         state_ptrs=(0x7C0000000000,), state_lens=(65536,), state_item_lens=(1024,), state_layer_ids=(3,),
-        state_dims=(64,), state_outer=(2,), agent_metadata=b"\x00NIXL-metadata\xff"),
+        state_dims=(64,), state_outer=(2,), agent_metadata=stub_agent_metadata("0b6f3a52-decode")),
     "register_result_ok": RegisterResult(prefill_id="9c1e-prefill", decode_id="0b6f3a52-decode", session=3,
                                          ok=True, reason=""),
     "register_result_refused": RegisterResult(
@@ -40,8 +41,8 @@ SAMPLES: dict[str, Message] = {
                                         required_dst_info_num=2, is_dummy=True, write_aux=False, decode_prefix_len=0,
                                         dst_pages=np.array([], dtype=np.int32),
                                         dst_state_indices=np.array([], dtype=np.int32)),
-    "status_ok": Status(room=42, epoch=77, prefill_id="9c1e-prefill", sender_rank=3, ok=True, reason=""),
-    "status_failed": Status(room=42, epoch=78, prefill_id="9c1e-prefill", sender_rank=0, ok=False,
+    "status_ok": Status(room=42, epoch=77, prefill_id="9c1e-prefill", session=3, sender_rank=3, ok=True, reason=""),
+    "status_failed": Status(room=42, epoch=78, prefill_id="9c1e-prefill", session=3, sender_rank=0, ok=False,
                             reason="peer disconnected (nixlRemoteDisconnectError)"),
     "ping": Ping(sender_id="0b6f3a52-decode", endpoint="tcp://127.0.0.1:41000", session=3, seq=17),
     "pong": Pong(sender_id="9c1e-prefill", session=3, seq=17),

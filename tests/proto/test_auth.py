@@ -8,35 +8,37 @@ from asynckv.proto.messages import decode, encode
 from .samples import SAMPLES
 
 NOW = 1_800_000_000_000_000_000
+TO = "tcp://127.0.0.1:41000"
 
 
 def test_seal_then_open_round_trip() -> None:
     a, b = Authenticator("secret"), Authenticator("secret")
     frames = encode(SAMPLES["transfer_info"])
-    sealed = a.seal(frames, NOW)
+    sealed = a.seal(frames, TO, NOW)
     assert len(sealed) == len(frames) + 1
-    assert decode(b.open(sealed, NOW + 10**9)) == SAMPLES["transfer_info"]
+    assert decode(b.open(sealed, TO, NOW + 10**9)) == SAMPLES["transfer_info"]
 
 
 @pytest.mark.parametrize("case, kind", [("missing", "missing"), ("other_token", "bad_mac"), ("altered", "bad_mac"),
-                                        ("stale", "stale"), ("replayed", "replayed")])
+                                        ("stale", "stale"), ("replayed", "replayed"), ("other_rank", "bad_mac")])
 def test_refusals(case: str, kind: str) -> None:
     sender, receiver = Authenticator("secret"), Authenticator("secret")
     frames = encode(SAMPLES["status_ok"])
-    sealed = sender.seal(frames, NOW)
+    sealed = sender.seal(frames, TO, NOW)
     now = NOW
     if case == "missing":
         sealed = frames
     elif case == "other_token":
-        sealed = Authenticator("guess").seal(frames, NOW)
+        sealed = Authenticator("guess").seal(frames, TO, NOW)
     elif case == "altered":
         sealed = [sealed[0], sealed[1].replace(b"42", b"43"), *sealed[2:]]
     elif case == "stale":
         now = NOW + 31 * 10**9
     elif case == "replayed":
-        receiver.open(sealed, now)
+        receiver.open(sealed, TO, now)
+    to = "tcp://127.0.0.1:41001" if case == "other_rank" else TO  # sealed for one rank, shown to another
     with pytest.raises(AuthError) as info:
-        receiver.open(sealed, now)
+        receiver.open(sealed, to, now)
     assert info.value.kind == kind
 
 
@@ -50,10 +52,13 @@ def test_http_header() -> None:
         a.check_http("PUT", "/route", b"{}", "nonsense", NOW)
     with pytest.raises(AuthError, match="missing"):
         a.check_http("PUT", "/route", b"{}", None, NOW)
+    for ts in (-1, 2**64):  # (raised struct.error: a 500 from the server)
+        with pytest.raises(AuthError, match="malformed"):
+            a.check_http("PUT", "/route", b"{}", f"{ts}.{'00' * 16}.{'00' * 32}", NOW)
 
 
 def test_nonce_memory_is_bounded() -> None:
     a = Authenticator("secret", max_nonces=10)
     for i in range(100):
-        a.open(a.seal(encode(SAMPLES["ping"]), NOW + i), NOW + i)
+        a.open(a.seal(encode(SAMPLES["ping"]), TO, NOW + i), TO, NOW + i)
     assert len(a._seen) <= 10

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 
 from asynckv.errors import Aborted
-from asynckv.proto.early import EarlyTable
+from asynckv.proto.early import EarlyRoom, EarlyTable, info_bytes
 from asynckv.proto.messages import Abort, Status, TransferInfo
 from asynckv.proto.sender import DecodePeer, Destination
 from asynckv.proto.states import ReceiverState, SenderState
@@ -124,16 +124,47 @@ def test_a_full_table_gives_up_notices_and_aborts_before_destinations() -> None:
     stats: collections.Counter[str] = collections.Counter()
     table = EarlyTable(max_rooms=3, ttl_s=60, stats=stats)
     peer = object.__new__(DecodePeer)
-    table.get_or_add(1, 0).failed = "notice"  # type: ignore[union-attr]
-    table.get_or_add(2, 0).infos["d"] = destination(2, peer)  # type: ignore[union-attr]
-    table.get_or_add(3, 0).aborts["d"] = Abort(3, 1, "d", False, 1, "abort")  # type: ignore[union-attr]
-    table.get_or_add(4, 1).infos["d"] = destination(4, peer)  # type: ignore[union-attr]  # room 1 goes
+
+    def add(room: int, now: float) -> EarlyRoom:
+        early = table.get_or_add(room, now)
+        assert early is not None
+        return early
+
+    assert table.leave_notice(add(1, 0), "notice", {}, 1)
+    assert table.park(add(2, 0), destination(2, peer)) is None
+    assert table.keep_abort(add(3, 0), Abort(3, 1, "d", False, 1, "abort"))
+    assert table.park(add(4, 1), destination(4, peer)) is None  # room 1 goes
     assert table.get(1) is None and table.get(2) is not None and stats["early_evicted"] == 1
-    table.get_or_add(5, 1).infos["d"] = destination(5, peer)  # type: ignore[union-attr]  # room 3 goes
+    assert table.park(add(5, 1), destination(5, peer)) is None  # room 3 goes
     assert table.get(3) is None and len(table) == 3
     assert table.get_or_add(6, 2) is None  # only destinations left: the newcomer is refused
+    assert table.nbytes == 3 * info_bytes(destination(2, peer).info)  # what is kept is charged, and no more
     table.expire(61)
-    assert len(table) == 0 and stats["early_expired"] == 3
+    assert len(table) == 0 and stats["early_expired"] == 3 and table.nbytes == 0
+
+
+def test_a_room_parks_as_many_destinations_as_its_decode_ranks_and_the_table_bounds_their_bytes() -> None:
+    table = EarlyTable(max_rooms=8, ttl_s=60, stats=collections.Counter(), max_bytes=3000)
+    peer = object.__new__(DecodePeer)
+    pages = np.arange(200, dtype=np.int32)  # 800 bytes
+
+    def dest(room: int, decode_id: str, required: int) -> Destination:
+        return Destination(TransferInfo(room, 1, decode_id, "p", -1, required, False, False, 0, pages,
+                                        np.empty(0, dtype=np.int32)), peer)
+
+    early = table.get_or_add(1, 0)
+    assert early is not None
+    assert table.park(early, dest(1, "a", 2)) is None and table.park(early, dest(1, "b", 2)) is None
+    refused = table.park(early, dest(1, "c", 2))
+    assert refused is not None and refused[0] == "early_room_full" and "required_dst_info_num=2" in refused[1]
+    assert table.park(early, dest(1, "a", 2)) is None  # the same decode rank again replaces its own
+    other = table.get_or_add(2, 0)
+    assert other is not None
+    refused = table.park(other, dest(2, "a", 1))  # a third 1 KiB destination does not fit in 3000 bytes
+    assert refused is not None and refused[0] == "early_bytes" and "max_early_bytes=3000" in refused[1]
+    table.discard_if_empty(2)
+    assert table.get(2) is None and table.unpark(early, "a") is not None
+    assert table.pop(1) is not None and table.nbytes == 0
 
 
 def test_an_abort_before_the_sender_fails_it_at_once_and_a_reused_id_then_succeeds() -> None:

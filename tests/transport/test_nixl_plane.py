@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from asynckv.errors import PeerUnreachable, TransferTimeout
+from asynckv.proto.topology import metadata_agent_name, stub_agent_metadata
 from asynckv.transport.base import DescPiece, MemoryLayout, PreppedPiece, Write
 from asynckv.transport.nixl import NixlDataPlane
 
@@ -60,7 +61,9 @@ class FakeAgent:
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         self.calls.append(("add_remote_agent", metadata))
-        return metadata
+        name = metadata_agent_name(metadata)
+        assert name is not None
+        return name
 
     def remove_remote_agent(self, name: str) -> None:
         self.calls.append(("remove_remote_agent", name))
@@ -114,7 +117,7 @@ async def started(agent: FakeAgent) -> tuple[NixlDataPlane, list[tuple[int, Base
     settled: list[tuple[int, BaseException | None]] = []
     plane.on_settled = settled.extend
     await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
-    await plane.connect_peer("peer", b"peer", rows(4), "DRAM")
+    await plane.connect_peer("peer", stub_agent_metadata("peer"), rows(4), "DRAM")
     plane.set_lease("peer", time.monotonic() + 60)
     return plane, settled
 

@@ -1,0 +1,216 @@
+"""Prefill rules about destinations: a decode's ``TransferInfo`` from arrival to its room.
+
+A mixin of ``PrefillCore``. A destination is checked against the geometry its peer registered
+before it is kept anywhere (``destinations``): O(1) checks at once, its indices at once when
+few, else on a worker thread (``CheckDestination``), while that peer's later messages wait
+behind it, in order (a TransferInfo followed by an Abort is still acted on in that order).
+Then it goes to its sender; or, when none exists yet, to the early table, within the room's
+decode ranks and the table's byte budget; anything refused is answered ``Status(ok=False)``
+at once, naming the limit, and counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING
+
+from ..errors import RemoteProtocolError
+from .actions import RoomReady
+from .core import Core
+from .destinations import (
+    CheckDestination,
+    DestinationLimits,
+    check_destination_indices,
+    destination_indices,
+    footprint,
+    precheck_destination,
+    sender_of,
+)
+from .early import EarlyTable, info_bytes
+from .messages import Message, TransferInfo
+from .sender import DecodePeer, Destination, PeerPhase, SenderRoom
+from .states import Event, SenderState
+
+__all__ = ["DestinationRules"]
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Check:
+    """A destination whose indices are being checked off the loop, and what it reserved."""
+
+    info: TransferInfo
+    peer: DecodePeer
+    nbytes: int
+
+
+class DestinationRules(Core):
+    """Destinations of a prefill rank (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        rooms: dict[int, SenderRoom]
+        peers: dict[str, DecodePeer]
+        early: EarlyTable
+
+        def fail(self, room: SenderRoom, error: BaseException, now: float) -> None: ...
+
+        def _status(self, peer: DecodePeer, room: int, epoch: int, ok: bool, reason: str) -> None: ...
+
+        def _answered(self, room: SenderRoom, decode_id: str, epoch: int, required: int) -> None: ...
+
+        def _notice_answered(self, room: int, decode_id: str, epoch: int, required: int) -> None: ...
+
+        def _check_page_counts(self, room: SenderRoom, now: float) -> None: ...
+
+    def _init_destinations(self) -> None:
+        self._checks: dict[int, _Check] = {}
+        """Off-loop checks in flight, by token."""
+        self._held: dict[str, collections.deque[tuple[Message, int]]] = {}
+        """Per peer with a check in flight: its later messages (with the bytes each reserved), in order."""
+        self._check_ids = itertools.count(1)
+
+    def receive(self, msg: Message, now: float) -> None:
+        """A decoded control message; one from a peer whose destination is being checked waits for it."""
+        held = self._held.get(sender_of(msg) or "")
+        if held is None:
+            super().receive(msg, now)
+            return
+        nbytes = footprint(msg)
+        if self.early.reserve(nbytes):
+            held.append((msg, nbytes))
+        elif isinstance(msg, TransferInfo):
+            self._refuse(msg, "early_bytes", f"room {msg.room}: prefill rank holds {self.early.max_bytes} bytes of "
+                         f"destinations waiting, at most (max_early_bytes)")
+        else:
+            self._drop("held_full", f"{type(msg).__name__} behind a destination check (max_early_bytes)")
+
+    def destination_checked(self, token: int, reason: str | None, now: float) -> None:
+        """The answer to ``CheckDestination``: act on the destination, then on what waited behind it."""
+        check = self._checks.pop(token, None)
+        if check is None:
+            return  # the core closed meanwhile
+        self.early.release(check.nbytes)
+        info, peer = check.info, check.peer
+        if self.peers.get(peer.name) is peer and peer.phase is PeerPhase.CONNECTED:
+            self._take_destination(info, peer, reason, now)
+        else:
+            self._drop("unknown_peer", f"room {info.room}: {info.decode_id[:8]} left during its check")
+        held = self._held.pop(peer.name, collections.deque())
+        while held:
+            msg, nbytes = held.popleft()
+            self.early.release(nbytes)
+            self.receive(msg, now)
+            again = self._held.get(peer.name)
+            if again is not None:  # that one went off the loop too: the rest waits behind it, in order
+                for rest in held:
+                    again.append(rest)
+                return
+
+    def _drop_checks(self) -> None:
+        """Closing: nothing waits for a check any more (the early table's reservations go with it)."""
+        self._checks.clear()
+        self._held.clear()
+
+    def destination_checks(self) -> int:
+        """Destinations being checked plus messages waiting behind them."""
+        return len(self._checks) + sum(len(held) for held in self._held.values())
+
+    # -- arrival -----------------------------------------------------------------------------
+
+    def _on_transfer_info(self, info: TransferInfo, now: float) -> None:
+        if info.prefill_id != self.name:
+            self._drop("stale_incarnation", f"room {info.room} meant for {info.prefill_id[:8]}")
+            return
+        peer = self.peers.get(info.decode_id)
+        if peer is None or peer.phase is not PeerPhase.CONNECTED:
+            self._drop("unknown_peer", f"room {info.room} from unregistered {info.decode_id[:8]}")
+            return
+        if not peer.first_time(info.room, info.epoch):
+            self._drop("duplicate", f"room {info.room}#{info.epoch} destination again")
+            return
+        limits = peer.limits
+        reason = precheck_destination(info, limits)
+        if reason is None and destination_indices(info) >= self.config.offload_min_descs:
+            self._check_off_loop(info, peer, limits)
+            return
+        if reason is None:
+            reason = check_destination_indices(info, limits)
+        self._take_destination(info, peer, reason, now)
+
+    def _check_off_loop(self, info: TransferInfo, peer: DecodePeer, limits: DestinationLimits) -> None:
+        nbytes = info_bytes(info)
+        if not self.early.reserve(nbytes):
+            self._refuse(info, "early_bytes", f"room {info.room}: prefill rank holds {self.early.max_bytes} bytes "
+                         f"of destinations waiting, at most (max_early_bytes)")
+            return
+        token = next(self._check_ids)
+        self._checks[token] = _Check(info, peer, nbytes)
+        self._held[peer.name] = collections.deque()
+        self._emit(CheckDestination(token, info, limits))
+
+    def _take_destination(self, info: TransferInfo, peer: DecodePeer, reason: str | None, now: float) -> None:
+        """A destination whose check is done (``reason``: why it is invalid): to its sender, or to wait."""
+        room = self.rooms.get(info.room)
+        if room is not None and not self._later_request(room, info.decode_id, info.epoch):
+            self._on_destination(room, info, peer, reason, now)
+            return
+        early = self.early.get(info.room)
+        if room is None and early is not None and early.failed is not None \
+                and early.answered.get(info.decode_id, info.epoch) == info.epoch:
+            self._status(peer, info.room, info.epoch, False, early.failed)  # the sender failed, was cleared
+            self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num)
+            return
+        if reason is not None:  # decode hears it now rather than at its waiting timeout; nothing is kept
+            self._refuse(info, "early_invalid", f"room {info.room}: {reason}")
+            return
+        early = self.early.get_or_add(info.room, now)  # for a sender not created yet
+        if early is None:
+            self._refuse(info, "early_full", f"room {info.room}: prefill rank has {self.config.max_early_infos} "
+                         f"rooms waiting for their sender (max_early_infos)")
+            return
+        refused = self.early.park(early, Destination(info, peer))
+        if refused is not None:
+            self._refuse(info, *refused)
+            self.early.discard_if_empty(info.room)
+
+    def _refuse(self, info: TransferInfo, kind: str, reason: str) -> None:
+        """Answer a destination that is not kept with ``Status(ok=False)`` now, and count it."""
+        self._drop(kind, reason)
+        peer = self.peers.get(info.decode_id)
+        if peer is not None:
+            self._status(peer, info.room, info.epoch, False, reason)
+
+    @staticmethod
+    def _later_request(room: SenderRoom, decode_id: str, epoch: int) -> bool:
+        """A message of a decode that already gave this sender another incarnation of the room (a
+        destination, or an abort before one) is for a later request reusing the room id: it waits
+        for that request's sender."""
+        dest = room.destinations.get(decode_id)
+        known = dest.epoch if dest is not None else room.answered.get(decode_id)
+        return known is not None and known != epoch
+
+    def _on_destination(self, room: SenderRoom, info: TransferInfo, peer: DecodePeer, reason: str | None,
+                        now: float) -> None:
+        old = room.destinations.get(info.decode_id)
+        if room.state is not SenderState.BOOTSTRAPPING:
+            self.stats["late_info"] += 1
+            why = room.reason if room.exception is not None else "it already has its destinations"
+            self._status(peer, room.room, info.epoch, False,
+                         f"room {room.room} is {room.state.value} on this prefill rank: {why}")
+            self._answered(room, info.decode_id, info.epoch, info.required_dst_info_num)
+            return
+        room.destinations[info.decode_id] = Destination(info, peer)
+        if reason is not None:
+            self.fail(room, RemoteProtocolError(f"room {room.room}: {reason}"), now)  # reaches that decode
+            return
+        room.required = info.required_dst_info_num
+        if old is not None and old.epoch != info.epoch:
+            self.stats["replaced_info"] += 1
+        if len(room.destinations) >= room.required:
+            room.move(Event.DESTINATIONS_KNOWN)
+            self.deadlines.arm(room, None)
+            if room.num_pages is not None:
+                self._check_page_counts(room, now)
+            if room.active:
+                self._emit(RoomReady(room))
