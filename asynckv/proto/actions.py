@@ -52,6 +52,9 @@ class Send(Action):
 
     endpoint: str
     msg: Message
+    transient: bool = False
+    """A reply to an endpoint nobody vouched for (a refused registration, a ping of an unknown
+    session): sent through a small, rate-limited pool of sockets, never kept open for it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

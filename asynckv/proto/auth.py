@@ -68,6 +68,9 @@ class Authenticator:
         self._window_ns = int(window_s * 1e9)
         self._max_nonces = max_nonces
         self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._floor_ns = 0
+        """Messages sent at or before this time are refused: the nonces of that time were forgotten
+        (the table was full within the window), so a replay of one could not be told any more."""
 
     def _mac(self, parts: list[bytes], ts: int, nonce: bytes) -> bytes:
         h = hmac.new(self._key, digestmod=hashlib.sha256)
@@ -100,9 +103,14 @@ class Authenticator:
             raise AuthError("stale", f"timestamp {abs(now_ns - ts) / 1e9:.1f}s away from ours")
         while self._seen and (len(self._seen) >= self._max_nonces
                               or next(iter(self._seen.values())) < now_ns - self._window_ns):
-            self._seen.popitem(last=False)
+            _, forgotten = self._seen.popitem(last=False)
+            if forgotten >= now_ns - self._window_ns:  # forgotten early, while still fresh
+                self._floor_ns = max(self._floor_ns, forgotten)
         if nonce in self._seen:
             raise AuthError("replayed", "nonce already seen")
+        if ts <= self._floor_ns:
+            raise AuthError("replayed", "older than the nonces still remembered (more than "
+                                        f"{self._max_nonces} messages within the window)")
         self._seen[nonce] = ts
 
     def http_header(self, method: str, path: str, body: bytes, now_ns: int, nonce: bytes | None = None) -> str:

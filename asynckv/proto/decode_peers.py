@@ -161,7 +161,8 @@ class RegistrationRules(Core):
             self.liveness.granted(msg.sender_id, now)  # this pong lets prefill write until its ping time + lease
             self._emit(Send(reg.rank.endpoint, Pong(self.name, msg.session, msg.seq)))
             return
-        self._emit(Send(msg.endpoint, Bye(self.name, msg.session, "no such registration session here")))
+        self._emit(Send(msg.endpoint, Bye(self.name, msg.session, "no such registration session here"),
+                        transient=True))
         self._drop("stale", f"ping from unknown session of {msg.sender_id[:8]}")
 
     def _on_pong(self, msg: Pong, now: float) -> None:

@@ -9,6 +9,7 @@ answered with ``Bye`` too, never with a ``Pong``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,9 @@ log = logging.getLogger("asynckv.prefill")
 
 MAX_LEASE_S = 60.0
 """A decode cannot grant itself writes for longer than this, whatever its Register says."""
+MAX_WAITING_REGISTRATIONS = 64
+"""Registrations accepted but not yet connected, at most (each keeps its claims and its NIXL
+metadata, up to 1 MiB, until its turn: a flood of them cost +1.1 GB before this bound)."""
 
 
 class PeerRules(Core):
@@ -55,9 +59,11 @@ class PeerRules(Core):
             self.stats["peers_refused"] += 1
             log.warning("refused decode peer %s at %s: %s", peer.name[:8], peer.endpoint, str(error))  # (not the
             # exception: a handler that keeps records would keep its traceback, and the rows in its frames)
-            self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, False, str(error))))
+            self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, False, str(error)),
+                            transient=True))
             return
         peer.phase = PeerPhase.CONNECTED
+        peer.reg = dataclasses.replace(peer.reg, agent_metadata=b"")  # NIXL holds it now: not kept twice
         state = self.liveness.add(peer.name, peer.endpoint, peer.session, now, lease_s=peer.lease_s)
         self._emit(SetLease(peer.name, state.lease_until))  # before decode can send a destination
         self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, True, "")))
@@ -122,11 +128,13 @@ class PeerRules(Core):
     def _on_register(self, reg: Register, now: float) -> None:
         def refuse(reason: str) -> None:
             self.stats["peers_refused"] += 1
-            self._emit(Send(reg.endpoint, RegisterResult(self.name, reg.decode_id, reg.session, False, reason)))
+            self._emit(Send(reg.endpoint, RegisterResult(self.name, reg.decode_id, reg.session, False, reason),
+                            transient=True))
 
         if reg.prefill_id != self.name:
             self._emit(Send(reg.endpoint, RegisterResult(reg.prefill_id, reg.decode_id, reg.session, False, (
-                f"prefill restarted: decode expected incarnation {reg.prefill_id[:8]}, this is {self.name[:8]}"))))
+                f"prefill restarted: decode expected incarnation {reg.prefill_id[:8]}, this is {self.name[:8]}")),
+                transient=True))
             return
         if self.closing:
             refuse("prefill manager closing")
@@ -138,6 +146,9 @@ class PeerRules(Core):
             return
         if current is None and len(self.peers) + len(self.retired) >= self.config.max_peers:
             refuse(f"too many decode peers ({self.config.max_peers})")
+            return
+        if sum(p.phase is PeerPhase.CONNECTING for p in self.peers.values()) >= MAX_WAITING_REGISTRATIONS:
+            refuse(f"too many registrations waiting to connect ({MAX_WAITING_REGISTRATIONS}); try again")
             return
         try:
             plan = plan_peer(self.kv_args, reg, max_rows=self.config.max_peer_dlist_rows)
@@ -161,7 +172,8 @@ class PeerRules(Core):
             self.liveness.heard(msg.sender_id, now)
             self._emit(Send(state.endpoint, Pong(self.name, msg.session, msg.seq)))
         elif not any(p.name == msg.sender_id and p.session == msg.session for p in self.retired):
-            self._emit(Send(msg.endpoint, Bye(self.name, msg.session, "no such registration session here")))
+            self._emit(Send(msg.endpoint, Bye(self.name, msg.session, "no such registration session here"),
+                            transient=True))
             self._drop("stale", f"ping from unknown session of {msg.sender_id[:8]}")
 
     def _on_pong(self, msg: Pong, now: float) -> None:
@@ -185,4 +197,4 @@ class PeerRules(Core):
         endpoint, decode_id, session = body.get("endpoint"), body.get("decode_id"), body.get("session", 0)
         if msg_type == Register.TYPE and isinstance(endpoint, str) and isinstance(decode_id, str) \
                 and endpoint.startswith("tcp://") and type(session) is int and session >= 0:
-            self._emit(Send(endpoint, RegisterResult(self.name, decode_id, session, False, reason)))
+            self._emit(Send(endpoint, RegisterResult(self.name, decode_id, session, False, reason), transient=True))

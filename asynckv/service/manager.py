@@ -281,7 +281,7 @@ class KVManager:
         host = msg.endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
         if host == origin:
             control.send(msg.endpoint, RegisterResult(self.name, msg.decode_id, msg.session, False,
-                                                      PROTECTED_MODE_REASON))
+                                                      PROTECTED_MODE_REASON), transient=True)
 
     def _on_version_mismatch(self, exc: VersionMismatch) -> None:
         svc = self._svc

@@ -58,8 +58,10 @@ def peers_view() -> list[dict[str, Any]]:
         snap = mgr.snapshot()
         for peer in snap["peers"]:
             ago = peer["last_heard_s_ago"]
-            out.append({"manager": mgr.name, "mode": snap["mode"], "peer": peer["peer"],  # the incarnation
-                        "endpoint": peer["endpoint"], "phase": peer["phase"],  # (never the session: it is a secret)
+            # Names as the metrics show them, 8 characters: a decode's full agent name and its sessions
+            # are what lets a process act as that decode towards a prefill, so they are never shown.
+            out.append({"manager": mgr.name[:8], "mode": snap["mode"], "peer": peer["peer"][:8],
+                        "endpoint": peer["endpoint"], "phase": peer["phase"],
                         "state": "alive" if peer["alive"] else "late",
                         "last_heartbeat_s_ago": None if ago is None else round(max(0.0, ago), 3),
                         "inflight_rooms": peer["rooms"]})

@@ -132,7 +132,7 @@ class Pump:
     # -- common actions ------------------------------------------------------------------
 
     def _on_send(self, a: act.Send) -> None:
-        self.control.send(a.endpoint, a.msg)
+        self.control.send(a.endpoint, a.msg, transient=a.transient)
 
     def _on_forget_endpoint(self, a: act.ForgetEndpoint) -> None:
         self.control.forget(a.endpoint)

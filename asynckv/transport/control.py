@@ -40,6 +40,14 @@ log = logging.getLogger("asynckv.control")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 LINGER_MS = 1000
 """How long ZMQ keeps trying to deliver queued frames after a socket is closed."""
+TRANSIENT_SOCKETS = 32
+"""Sockets kept open for replies to endpoints nobody vouched for (the least recently used goes)."""
+TRANSIENT_PER_S = 50.0
+"""Such replies per second at most (a burst of as many): beyond, they are dropped and counted, so
+messages naming made-up endpoints cannot open sockets (file descriptors) without bound."""
+READ_BATCH = 64
+"""The reader yields to the event loop after this many messages in a row (ZMQ hands over a queued
+message without suspending: a flood would otherwise hold the loop for seconds)."""
 
 
 class RateLimitedLog:
@@ -93,6 +101,9 @@ class ControlChannel:
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._peers: dict[str, _Peer] = {}
+        self._transient: collections.OrderedDict[str, zmq.asyncio.Socket] = collections.OrderedDict()
+        self._reply_tokens = TRANSIENT_PER_S
+        self._reply_refill = time.monotonic()
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
         self.endpoint = ""
@@ -131,7 +142,12 @@ class ControlChannel:
         pull = self._pull
         if pull is None:
             return
+        in_a_row = 0
         while True:
+            in_a_row += 1
+            if in_a_row >= READ_BATCH:
+                in_a_row = 0
+                await asyncio.sleep(0)  # let timers and other tasks run between batches
             try:
                 parts = await pull.recv_multipart(copy=False)
             except asyncio.CancelledError:
@@ -200,13 +216,17 @@ class ControlChannel:
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, endpoint: str, msg: Message) -> None:
-        """Queue ``msg`` for ``endpoint`` behind everything queued for it before; never blocks."""
+    def send(self, endpoint: str, msg: Message, transient: bool = False) -> None:
+        """Queue ``msg`` for ``endpoint`` behind everything queued for it before; never blocks.
+        ``transient``: a reply to an endpoint nobody vouched for (see ``_send_transient``)."""
         if self._closed or self._ctx is None:
             return
         frames = encode(msg)
         if self._auth is not None:
             frames = self._auth.seal(frames, endpoint, time.time_ns())
+        if transient and endpoint not in self._peers:
+            self._send_transient(endpoint, type(msg).__name__, frames)
+            return
         peer = self._peer(endpoint)
         if not peer.backlog:
             try:
@@ -225,16 +245,43 @@ class ControlChannel:
     def _peer(self, endpoint: str) -> _Peer:
         peer = self._peers.get(endpoint)
         if peer is None or peer.forgotten:
-            if self._ctx is None:
-                raise RuntimeError("control channel not started")
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, LINGER_MS)
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            if endpoint.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)
+            # a transient socket to it becomes the peer's (what it sent stays ahead of what follows)
+            sock = self._transient.pop(endpoint, None) or self._connect(endpoint)
             peer = self._peers[endpoint] = _Peer(sock)
         return peer
+
+    def _connect(self, endpoint: str) -> zmq.asyncio.Socket:
+        if self._ctx is None:
+            raise RuntimeError("control channel not started")
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint)
+        return sock
+
+    def _send_transient(self, endpoint: str, what: str, frames: list[bytes]) -> None:
+        """Best effort, bounded: at most ``TRANSIENT_PER_S`` replies a second through at most
+        ``TRANSIENT_SOCKETS`` sockets (a ping naming a new made-up endpoint each time opened a
+        socket for good: 1,022 of them, then every send failed with 'Too many open files')."""
+        now = time.monotonic()
+        self._reply_tokens = min(TRANSIENT_PER_S, self._reply_tokens + (now - self._reply_refill) * TRANSIENT_PER_S)
+        self._reply_refill = now
+        if self._reply_tokens < 1:
+            self.dropped["reply_limited"] += 1
+            self._rl.warning("reply_limited", "control: dropped a %s reply to %s (replies to unknown "
+                             "endpoints are rate limited)", what, endpoint)
+            return
+        self._reply_tokens -= 1
+        sock = self._transient.pop(endpoint, None) or self._connect(endpoint)
+        self._transient[endpoint] = sock
+        while len(self._transient) > TRANSIENT_SOCKETS:
+            self._transient.popitem(last=False)[1].close(linger=LINGER_MS)
+        try:
+            zmq.Socket.send_multipart(sock, frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            self._failed(endpoint, what, exc)
 
     async def _drain(self, endpoint: str, peer: _Peer) -> None:
         """Hand the endpoint's backlog to ZMQ in order, waiting (bounded) while its queue is full."""
@@ -284,6 +331,9 @@ class ControlChannel:
         for peer in self._peers.values():
             peer.sock.close(linger=LINGER_MS)
         self._peers.clear()
+        for sock in self._transient.values():
+            sock.close(linger=LINGER_MS)
+        self._transient.clear()
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None

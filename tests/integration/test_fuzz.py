@@ -156,7 +156,7 @@ def hostile(rng: np.random.Generator, i: int, pair: Pair, real_register: Registe
 def accounting(mgr: Any) -> tuple[int, int, int]:
     """(received, dropped by the reader, handed to the core) of a manager's control channel."""
     control = mgr.control
-    dropped = sum(v for k, v in control.dropped.items() if k != "send_failed")
+    dropped = sum(v for k, v in control.dropped.items() if k not in ("send_failed", "reply_limited"))  # (sends)
     return control.received, dropped, sum(v for k, v in mgr.stats.items() if k.startswith("msg_"))
 
 

@@ -177,3 +177,93 @@ async def test_a_forged_status_naming_the_public_prefill_id_completes_nothing() 
         finally:
             push.close(0)
             ctx.term()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_replies_to_made_up_endpoints_open_a_bounded_number_of_sockets() -> None:
+    """A ping of an unknown session is answered Bye at the endpoint it names: 1,500 pings naming
+    1,500 made-up endpoints opened 1,500 sockets for good (then 'Too many open files' for every
+    send, and no new decode could register). Now such replies share a small pool, rate limited."""
+    from asynckv import Config, KVManager, Mode
+    from asynckv.proto.messages import Ping
+    from asynckv.testing import KVPool
+    from asynckv.transport.control import TRANSIENT_SOCKETS
+
+    async with make_pair() as pair:
+        fds = _open_fds()
+        ctx = zmq.asyncio.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(pair.prefill.endpoint)
+        try:
+            for i in range(1500):
+                await push.send_multipart(encode(Ping("nobody", f"tcp://127.0.0.1:{20000 + i}", 42, i)))
+            for _ in range(500):
+                if pair.prefill.control.received >= 1500:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            push.close(0)
+            ctx.term()
+        control = pair.prefill.control
+        print(f"fds {fds} -> {_open_fds()}, dropped {dict(control.dropped)}")
+        assert len(control._transient) <= TRANSIENT_SOCKETS
+        assert control.dropped["reply_limited"] >= 1000 and control.send_failures == 0
+        assert _open_fds() - fds < 3 * TRANSIENT_SOCKETS
+        pool = KVPool(4, 64, 256, aux_rows=16)  # a decode that comes later still registers
+        async with KVManager(Mode.DECODE, pool.kv_args(4), config=Config(waiting_timeout_s=30)) as late:
+            receiver, sender = late.receiver(pair.addr, 40), pair.prefill.sender(40)
+            assert await receiver.init([1, 2]) == KVPoll.WaitingForInput, receiver.failure_reason
+            assert await sender.wait_ready(10) == KVPoll.WaitingForInput
+            sender.init(2)
+            await sender.send([3, 4])
+            assert await receiver.wait(10) == KVPoll.Success
+
+
+_FLOOD = """
+import sys, zmq
+ctx = zmq.Context()
+push = ctx.socket(zmq.PUSH)
+push.setsockopt(zmq.SNDHWM, 0)
+push.connect(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    push.send_multipart([b"AKVP\\x03\\x00", b"{}"])
+push.close(linger=10000)
+"""
+
+
+async def test_a_flood_of_tiny_messages_does_not_hold_the_event_loop() -> None:
+    """ZMQ hands a queued message over without suspending: 200,000 tiny malformed messages held the
+    loop for 9 s in one go. The reader now yields every batch."""
+    import sys
+    import time
+
+    async with make_pair() as pair:
+        lag = 0.0
+        ticking = True
+
+        async def ticker() -> None:
+            nonlocal lag
+            while ticking:
+                t = time.monotonic()
+                await asyncio.sleep(0.01)
+                lag = max(lag, time.monotonic() - t - 0.01)
+
+        tick = asyncio.create_task(ticker())
+        n = 100_000
+        flood = await asyncio.create_subprocess_exec(sys.executable, "-c", _FLOOD, pair.prefill.endpoint, str(n))
+        try:
+            assert await asyncio.wait_for(flood.wait(), 60) == 0
+            for _ in range(3000):
+                if pair.prefill.control.dropped["malformed"] >= n:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            ticking = False
+            await tick
+        print(f"{n} tiny messages: worst loop lag {lag * 1000:.0f} ms")
+        assert pair.prefill.control.dropped["malformed"] >= n
+        assert lag < 0.5
+        assert await transfer_room(pair, 41, [1], [2]) == (KVPoll.Success, KVPoll.Success)

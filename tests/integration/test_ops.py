@@ -51,7 +51,7 @@ async def test_metrics_have_per_peer_series_with_real_values() -> None:
         assert pair.decode.ops_server is not None
         async with http.get(f"http://{pair.decode.ops_server.addr}/peers") as resp:
             peers = (await resp.json())["peers"]
-        assert {p["peer"] for p in peers if p["mode"] == "decode"} == {pair.prefill.name}
+        assert {p["peer"] for p in peers if p["mode"] == "decode"} == {pair.prefill.name[:8]}  # (never in full)
         assert all(p["state"] == "alive" and p["last_heartbeat_s_ago"] < 5 for p in peers)
 
 

@@ -62,3 +62,16 @@ def test_nonce_memory_is_bounded() -> None:
     for i in range(100):
         a.open(a.seal(encode(SAMPLES["ping"]), TO, NOW + i), TO, NOW + i)
     assert len(a._seen) <= 10
+
+
+def test_a_replay_is_refused_even_once_its_nonce_was_forgotten_within_the_window() -> None:
+    """The table keeps max_nonces; a captured message replayed after that many others (and still
+    inside the 30 s window) was accepted again. Now anything as old as what was forgotten is refused."""
+    a = Authenticator("secret", max_nonces=100)
+    captured = a.seal(encode(SAMPLES["ping"]), TO, NOW)
+    a.open(captured, TO, NOW)
+    for i in range(1, 150):
+        a.open(a.seal(encode(SAMPLES["ping"]), TO, NOW + i), TO, NOW + i)
+    with pytest.raises(AuthError, match="replayed"):
+        a.open(captured, TO, NOW + 200)
+    a.open(a.seal(encode(SAMPLES["ping"]), TO, NOW + 300), TO, NOW + 300)  # fresh messages still pass

@@ -39,7 +39,7 @@ class FakeControl:
         self.sent: list[str] = []
         self.dropped: collections.Counter[str] = collections.Counter()
 
-    def send(self, endpoint: str, msg: Any) -> None:
+    def send(self, endpoint: str, msg: Any, transient: bool = False) -> None:
         self.sent.append(msg.reason)
 
 
