@@ -1,0 +1,225 @@
+"""A stock SGLang 0.5.10 NIXL-connector rank, run with the SGLang venv's Python (never imported by
+asynckv's own tests). Without a GPU or a scheduler it needs five shims, none of which touches
+the connector or its wire:
+
+- S1 a ``torchvision`` stub (PyPI torchvision needs libtorch_cuda; the connector never uses it),
+  installed after transformers decided torchvision is unavailable;
+- S2 NIXL ``VRAM`` registrations and descriptors as ``DRAM``, device 0 (UCX without CUDA refuses VRAM);
+- S3 the attention TP/CP/DP accessors answer a single rank (no torch.distributed groups);
+- S4 ``ServerArgs`` as a namespace of its declared defaults (a real one refuses to build without an
+  accelerator);
+- S5 ``SGLANG_HOST_IP=127.0.0.1``.
+
+Role ``decode-send``: start SGLang's bootstrap server, register a prefill rank whose ZMQ endpoint
+is the caller's (so the caller receives exactly what SGLang's decode sends), then run SGLang's
+decode receiver for one room. Prints one JSON line with what it sent.
+
+Role ``prefill-send``: SGLang's prefill for one room (prints its endpoints first, then waits for
+the caller's registration and destination, sends the pages in chunks, and waits for DONE).
+
+    python sglang_peer.py decode-send <capture port> <room> <pages,comma,separated> <aux index>
+    python sglang_peer.py prefill-send <room> <source pages> <chunk pages> <source aux index>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import socket
+import sys
+import time
+import types
+from typing import Any
+
+PAGE_SIZE, LAYERS, ITEM = 4, 2, 256
+
+
+class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """S1: ``torchvision`` and its submodules import as empty modules."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = _stub_attr  # type: ignore[method-assign]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _stub_attr(attr: str) -> Any:
+    if attr.startswith("__"):  # (version probes and the import machinery must see nothing)
+        raise AttributeError(attr)
+    return lambda *a, **k: None
+
+
+def install_shims() -> None:
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()  # (lru-cached: answers False before the stub exists)
+    sys.meta_path.insert(0, _Stub())
+
+    import numpy as np
+    from nixl import _api
+
+    register, descs = _api.nixl_agent.register_memory, _api.nixl_agent.get_xfer_descs
+
+    def register_memory(self: Any, reg_list: Any, mem_type: str = "DRAM", *a: Any, **k: Any) -> Any:  # S2
+        if mem_type == "VRAM":
+            mem_type, reg_list = "DRAM", [(p, n, 0, s) for p, n, _, s in reg_list]
+        return register(self, reg_list, mem_type, *a, **k)
+
+    def get_xfer_descs(self: Any, rows: Any, mem_type: str = "DRAM", *a: Any, **k: Any) -> Any:
+        if mem_type == "VRAM":
+            rows = np.array(rows, dtype=np.int64).reshape(-1, 3)
+            rows[:, 2] = 0
+            mem_type = "DRAM"
+        return descs(self, rows, mem_type, *a, **k)
+
+    _api.nixl_agent.register_memory, _api.nixl_agent.get_xfer_descs = register_memory, get_xfer_descs
+
+    from sglang.srt.disaggregation.common import conn as common  # S3
+    for what in ("tp", "cp", "dp"):
+        setattr(common, f"get_attention_{what}_size", lambda: 1)
+        setattr(common, f"get_attention_{what}_rank", lambda: 0)
+    common.get_pp_group = lambda: None
+
+
+def server_args(port: int) -> types.SimpleNamespace:  # S4
+    from sglang.srt.server_args import ServerArgs
+
+    values = {}
+    for f in dataclasses.fields(ServerArgs):
+        if f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+        else:
+            values[f.name] = None
+    values.update(host="127.0.0.1", disaggregation_bootstrap_port=port, page_size=PAGE_SIZE,
+                  load_balance_method="follow_bootstrap_room")
+    return types.SimpleNamespace(**values)
+
+
+def kv_args(buffers: list[Any], aux: list[Any]) -> Any:
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    args = KVArgs()
+    args.engine_rank, args.gpu_id, args.pp_rank, args.prefill_start_layer, args.system_dp_rank = 0, 0, 0, 0, 0
+    args.decode_tp_size, args.page_size, args.kv_head_num, args.total_kv_head_num = 1, PAGE_SIZE, 2, 2
+    args.kv_data_ptrs = [int(b.ctypes.data) for b in buffers]
+    args.kv_data_lens = [int(b.nbytes) for b in buffers]
+    args.kv_item_lens = [ITEM] * len(buffers)
+    args.aux_data_ptrs = [int(a.ctypes.data) for a in aux]
+    args.aux_data_lens = [int(a.nbytes) for a in aux]
+    args.aux_item_lens = [int(a.shape[1]) for a in aux]
+    args.state_data_ptrs, args.state_data_lens, args.state_item_lens, args.state_type = [], [], [], "none"
+    args.ib_device = None
+    return args
+
+
+def decode_send(capture_port: int, room: int, pages: list[int], aux_index: int) -> dict[str, Any]:
+    import numpy as np
+    import requests
+    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVReceiver
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    with socket.socket() as probe:  # a free port for SGLang's bootstrap server
+        probe.bind(("127.0.0.1", 0))
+        boot_port = probe.getsockname()[1]
+    NixlKVBootstrapServer("127.0.0.1", boot_port)
+    addr = f"127.0.0.1:{boot_port}"
+    rank = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+            "rank_ip": "127.0.0.1", "rank_port": capture_port, "page_size": PAGE_SIZE, "kv_cache_dtype": "auto",
+            "load_balance_method": "follow_bootstrap_room"}
+    for _ in range(100):
+        try:
+            if requests.put(f"http://{addr}/route", json=rank, timeout=2).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+    buffers = [np.zeros((16, ITEM), dtype=np.uint8) for _ in range(2 * LAYERS)]
+    aux = [np.zeros((8, 64), dtype=np.uint8) for _ in range(10)]
+    args = kv_args(buffers, aux)
+    mgr = NixlKVManager(args, DisaggregationMode.DECODE, server_args(boot_port), False)
+    while not mgr.try_ensure_parallel_info(addr):
+        time.sleep(0.05)
+    receiver = NixlKVReceiver(mgr, addr, room)
+    receiver.init(0)
+    receiver.send_metadata(np.array(pages, dtype=np.int32), aux_index, None)
+    time.sleep(0.5)  # (ZMQ hands the frames over in the background)
+    return {"agent": mgr.agent.name, "kv_ptrs": args.kv_data_ptrs, "aux_ptrs": args.aux_data_ptrs,
+            "item": ITEM, "ip": mgr.local_ip, "port": mgr.rank_port}
+
+
+def pattern(buffer: int, page: int) -> int:
+    """The byte every prefill page holds (the caller checks it landed)."""
+    return (buffer * 31 + page * 7 + 1) % 251
+
+
+def prefill_send(room: int, pages: list[int], chunk: int, aux_index: int) -> dict[str, Any]:
+    """SGLang's prefill for one room: prints its bootstrap address and ZMQ endpoint, waits for the
+    room's destination, sends ``pages`` in chunks of ``chunk`` (the last one may be shorter) and the
+    aux row, and waits until every NIXL handle is DONE."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        boot_port = probe.getsockname()[1]
+    NixlKVBootstrapServer("127.0.0.1", boot_port)
+    addr = f"127.0.0.1:{boot_port}"
+    buffers = [np.zeros((16, ITEM), dtype=np.uint8) for _ in range(2 * LAYERS)]
+    for b, buf in enumerate(buffers):
+        for page in range(16):
+            buf[page] = pattern(b, page)
+    aux = [np.full((8, 64), 100 + i, dtype=np.uint8) for i in range(10)]
+    args = kv_args(buffers, aux)
+    time.sleep(0.3)  # (the bootstrap server starts in a thread)
+    mgr = NixlKVManager(args, DisaggregationMode.PREFILL, server_args(boot_port), False)
+    print(json.dumps({"bootstrap": addr, "endpoint": f"tcp://{mgr.local_ip}:{mgr.rank_port}"}), flush=True)
+    sender = NixlKVSender(mgr, addr, room, [0], 0)
+    deadline = time.monotonic() + 60
+    while sender.poll() != KVPoll.WaitingForInput:
+        if time.monotonic() > deadline:
+            raise SystemExit("no destination within 60 s")
+        time.sleep(0.01)
+    sender.init(len(pages), aux_index)
+    for start in range(0, len(pages), chunk):
+        sender.send(np.array(pages[start:start + chunk], dtype=np.int32))
+    while (state := sender.poll()) != KVPoll.Success:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"transfer not done within 60 s ({state})")
+        time.sleep(0.01)
+    return {"done": True, "chunks": sender.chunk_id}
+
+
+def main() -> None:
+    os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # S5
+    install_shims()
+    role = sys.argv[1]
+    if role == "decode-send":
+        pages = [int(p) for p in sys.argv[4].split(",")]
+        print(json.dumps(decode_send(int(sys.argv[2]), int(sys.argv[3]), pages, int(sys.argv[5]))), flush=True)
+    elif role == "prefill-send":
+        pages = [int(p) for p in sys.argv[3].split(",")]
+        print(json.dumps(prefill_send(int(sys.argv[2]), pages, int(sys.argv[4]), int(sys.argv[5]))), flush=True)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+    os._exit(0)  # SGLang's reader threads are not daemons
+
+
+if __name__ == "__main__":
+    main()
