@@ -22,11 +22,19 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bootstrap_server(args: argparse.Namespace) -> int:
     from .service.bootstrap import BootstrapServer
+    from .service.sglang_bootstrap import SglangBootstrapServer
 
     async def serve() -> None:
         from .config import Config
 
         cfg = Config.from_env()
+        if args.wire == "sglang-0.5.10":  # SGLang ranks cannot authenticate: a token does not apply
+            async with SglangBootstrapServer(args.host, args.port,
+                                             allow_unauthenticated=cfg.allow_unauthenticated) as sgl:
+                mode = "any host" if cfg.allow_unauthenticated else "protected mode: loopback clients only"
+                print(f"asynckv bootstrap server for SGLang 0.5.10 ranks on http://{sgl.addr} ({mode}; "
+                      f"Ctrl-C to stop)", flush=True)
+                await asyncio.Event().wait()
         async with BootstrapServer(args.host, args.port, cfg.auth_token,
                                    allow_unauthenticated=cfg.allow_unauthenticated) as server:
             mode = ("authenticated" if cfg.auth_token else "unauthenticated, any host" if cfg.allow_unauthenticated
@@ -106,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     boot = sub.add_parser("bootstrap-server", help="run a standalone bootstrap server")
     boot.add_argument("--host", default="127.0.0.1")
     boot.add_argument("--port", type=int, default=8998)
+    boot.add_argument("--wire", choices=["asynckv", "sglang-0.5.10"], default="asynckv",
+                      help="the HTTP API to serve: asynckv's own, or SGLang 0.5.10's (for stock SGLang ranks)")
     boot.set_defaults(func=_bootstrap_server)
 
     token = sub.add_parser("gen-token", help="print a fresh secret for ASYNCKV_AUTH_TOKEN (256 random bits)")

@@ -17,8 +17,10 @@ decode receiver for one room. Prints one JSON line with what it sent.
 Role ``prefill-send``: SGLang's prefill for one room (prints its endpoints first, then waits for
 the caller's registration and destination, sends the pages in chunks, and waits for DONE).
 
-    python sglang_peer.py decode-send <capture port> <room> <pages,comma,separated> <aux index>
-    python sglang_peer.py prefill-send <room> <source pages> <chunk pages> <source aux index>
+    python sglang_peer.py decode-send <capture port> <room> <pages,comma,separated> <aux index> [bootstrap]
+    python sglang_peer.py prefill-send <room> <source pages> <chunk pages> <source aux index> [bootstrap]
+
+Without ``bootstrap`` (host:port) the role starts SGLang's own bootstrap server.
 """
 
 from __future__ import annotations
@@ -126,17 +128,27 @@ def kv_args(buffers: list[Any], aux: list[Any]) -> Any:
     return args
 
 
-def decode_send(capture_port: int, room: int, pages: list[int], aux_index: int) -> dict[str, Any]:
+def bootstrap(addr: str) -> tuple[str, int]:
+    """``addr`` when given (a bootstrap server of the caller's), else SGLang's own on a free port."""
+    if addr:
+        return addr, int(addr.rpartition(":")[2])
+    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    NixlKVBootstrapServer("127.0.0.1", port)
+    time.sleep(0.3)  # (it starts in a thread)
+    return f"127.0.0.1:{port}", port
+
+
+def decode_send(capture_port: int, room: int, pages: list[int], aux_index: int, boot: str) -> dict[str, Any]:
     import numpy as np
     import requests
-    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVReceiver
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    with socket.socket() as probe:  # a free port for SGLang's bootstrap server
-        probe.bind(("127.0.0.1", 0))
-        boot_port = probe.getsockname()[1]
-    NixlKVBootstrapServer("127.0.0.1", boot_port)
-    addr = f"127.0.0.1:{boot_port}"
+    addr, boot_port = bootstrap(boot)
     rank = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
             "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
             "rank_ip": "127.0.0.1", "rank_port": capture_port, "page_size": PAGE_SIZE, "kv_cache_dtype": "auto",
@@ -167,27 +179,22 @@ def pattern(buffer: int, page: int) -> int:
     return (buffer * 31 + page * 7 + 1) % 251
 
 
-def prefill_send(room: int, pages: list[int], chunk: int, aux_index: int) -> dict[str, Any]:
+def prefill_send(room: int, pages: list[int], chunk: int, aux_index: int, boot: str) -> dict[str, Any]:
     """SGLang's prefill for one room: prints its bootstrap address and ZMQ endpoint, waits for the
     room's destination, sends ``pages`` in chunks of ``chunk`` (the last one may be shorter) and the
     aux row, and waits until every NIXL handle is DONE."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVSender
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        boot_port = probe.getsockname()[1]
-    NixlKVBootstrapServer("127.0.0.1", boot_port)
-    addr = f"127.0.0.1:{boot_port}"
+    addr, boot_port = bootstrap(boot)
     buffers = [np.zeros((16, ITEM), dtype=np.uint8) for _ in range(2 * LAYERS)]
     for b, buf in enumerate(buffers):
         for page in range(16):
             buf[page] = pattern(b, page)
     aux = [np.full((8, 64), 100 + i, dtype=np.uint8) for i in range(10)]
     args = kv_args(buffers, aux)
-    time.sleep(0.3)  # (the bootstrap server starts in a thread)
     mgr = NixlKVManager(args, DisaggregationMode.PREFILL, server_args(boot_port), False)
     print(json.dumps({"bootstrap": addr, "endpoint": f"tcp://{mgr.local_ip}:{mgr.rank_port}"}), flush=True)
     sender = NixlKVSender(mgr, addr, room, [0], 0)
@@ -212,10 +219,12 @@ def main() -> None:
     role = sys.argv[1]
     if role == "decode-send":
         pages = [int(p) for p in sys.argv[4].split(",")]
-        print(json.dumps(decode_send(int(sys.argv[2]), int(sys.argv[3]), pages, int(sys.argv[5]))), flush=True)
+        boot = sys.argv[6] if len(sys.argv) > 6 else ""
+        print(json.dumps(decode_send(int(sys.argv[2]), int(sys.argv[3]), pages, int(sys.argv[5]), boot)), flush=True)
     elif role == "prefill-send":
         pages = [int(p) for p in sys.argv[3].split(",")]
-        print(json.dumps(prefill_send(int(sys.argv[2]), pages, int(sys.argv[4]), int(sys.argv[5]))), flush=True)
+        boot = sys.argv[6] if len(sys.argv) > 6 else ""
+        print(json.dumps(prefill_send(int(sys.argv[2]), pages, int(sys.argv[4]), int(sys.argv[5]), boot)), flush=True)
     else:
         raise SystemExit(f"unknown role {role!r}")
     os._exit(0)  # SGLang's reader threads are not daemons

@@ -5,10 +5,13 @@ venv is not built (``bash scripts/sglang-venv.sh``; ``.ci/run`` builds it)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
+from collections.abc import AsyncIterator
 
+import aiohttp
 import numpy as np
 import pytest
 import zmq
@@ -16,12 +19,14 @@ import zmq.asyncio
 
 from asynckv.proto.sglang import SglangRegister, SglangTransferInfo, decode_frames
 from asynckv.proto.topology import metadata_agent_name
+from asynckv.service.sglang_bootstrap import SglangBootstrapServer
 
 pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENV = pathlib.Path(os.environ.get("ASYNCKV_SGLANG_VENV", ROOT / ".cache" / "sglang-0.5.10"))
 PEER = pathlib.Path(__file__).with_name("sglang_peer.py")
+PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 
 
 @pytest.fixture
@@ -31,16 +36,31 @@ def sglang_python() -> pathlib.Path:
     return VENV / "bin" / "python"
 
 
-async def test_what_a_stock_sglang_decode_sends_decodes_field_for_field(sglang_python: pathlib.Path) -> None:
+@contextlib.asynccontextmanager
+async def bootstrap_server(which: str) -> AsyncIterator[str]:
+    """"": the peer starts SGLang's own; "asynckv": ours, speaking SGLang's HTTP API."""
+    if which == "sglang":
+        yield ""
+        return
+    async with SglangBootstrapServer("127.0.0.1", 0) as server:
+        yield server.addr
+
+
+@pytest.mark.parametrize("which", ["sglang", "asynckv"])
+async def test_what_a_stock_sglang_decode_sends_decodes_field_for_field(sglang_python: pathlib.Path,
+                                                                        which: str) -> None:
+    """With asynckv's bootstrap server, SGLang's decode also finds its prefill through our
+    ``GET /route`` answers (topology, then the rank's endpoint)."""
     ctx = zmq.asyncio.Context()
     pull = ctx.socket(zmq.PULL)
     try:
         port = pull.bind_to_random_port("tcp://127.0.0.1")
         room, pages, aux = 4535838703865032264, [9, 3, 15, 4, 5], 6
-        proc = await asyncio.create_subprocess_exec(
-            str(sglang_python), str(PEER), "decode-send", str(port), str(room), ",".join(map(str, pages)), str(aux),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 180)
+        async with bootstrap_server(which) as boot:
+            proc = await asyncio.create_subprocess_exec(
+                str(sglang_python), str(PEER), "decode-send", str(port), str(room), ",".join(map(str, pages)),
+                str(aux), boot, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 180)
         assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
         sent = json.loads(out.decode().strip().splitlines()[-1])
         raw = [await asyncio.wait_for(pull.recv_multipart(), 10) for _ in range(2)]
@@ -59,14 +79,36 @@ async def test_what_a_stock_sglang_decode_sends_decodes_field_for_field(sglang_p
     assert reg.encode() == raw[0] and info.encode() == raw[1]  # byte for byte, both ways
 
 
+async def _lookup(addr: str) -> str:
+    async with aiohttp.ClientSession() as http:
+        for _ in range(200):
+            async with http.get(f"http://{addr}/route", params=dict.fromkeys(PARAMS, "-1")) as resp:
+                if resp.status == 200:
+                    info = await resp.json()
+                    break
+            await asyncio.sleep(0.05)
+        assert info["page_size"] == 4 and info["kv_cache_dtype"] == "auto" and info["dp_size"] == 1
+        async with http.get(f"http://{addr}/route", params=dict.fromkeys(PARAMS, "0")) as resp:
+            rank = await resp.json()
+    return f"tcp://{rank['rank_ip']}:{rank['rank_port']}"
+
+
 def info_endpoint(info: SglangTransferInfo) -> str:
     return f"tcp://{info.ip}:{info.port}"
 
 
-async def test_a_stock_sglang_prefill_fills_pages_announced_with_our_frames(sglang_python: pathlib.Path) -> None:
+@pytest.mark.parametrize("which", ["sglang", "asynckv"])
+async def test_a_stock_sglang_prefill_fills_pages_announced_with_our_frames(sglang_python: pathlib.Path,
+                                                                          which: str) -> None:
     """Our frames (``SglangRegister``/``SglangTransferInfo``) drive a real SGLang prefill; its NIXL
     notifications parse, ``SglangCompletion`` concludes the room, and every byte is where it belongs:
-    several chunks with an uneven last one, scattered pages, the aux row, nothing else touched."""
+    several chunks with an uneven last one, scattered pages, the aux row, nothing else touched.
+    With asynckv's bootstrap server, the prefill registered there and we found it there."""
+    async with bootstrap_server(which) as boot:
+        await _prefill_room(sglang_python, boot)
+
+
+async def _prefill_room(sglang_python: pathlib.Path, boot: str) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     from asynckv.proto.sglang import SglangCompletion, parse_notification
@@ -81,7 +123,7 @@ async def test_a_stock_sglang_prefill_fills_pages_announced_with_our_frames(sgla
         agent.register_memory([(int(a.ctypes.data), int(a.nbytes), 0, "") for a in arrays], "DRAM")
     proc = await asyncio.create_subprocess_exec(
         str(sglang_python), str(PEER), "prefill-send", str(room), ",".join(map(str, src)), str(chunk), str(src_aux),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        boot, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     ctx = zmq.asyncio.Context()
     push = ctx.socket(zmq.PUSH)
     try:
@@ -90,7 +132,10 @@ async def test_a_stock_sglang_prefill_fills_pages_announced_with_our_frames(sgla
         while not first.startswith(b"{"):  # (NIXL logs to stdout too)
             first = await asyncio.wait_for(proc.stdout.readline(), 120)
             assert first, (await proc.stderr.read()).decode(errors="replace")[-3000:]  # type: ignore[union-attr]
-        push.connect(json.loads(first)["endpoint"])
+        endpoint = json.loads(first)["endpoint"]
+        if boot:  # look it up the way SGLang's decode does
+            endpoint = await _lookup(boot)
+        push.connect(endpoint)
         name = agent.name if isinstance(agent.name, str) else agent.name.decode()
         await push.send_multipart(SglangRegister(
             "127.0.0.1", 1, name, bytes(agent.get_agent_metadata()), tuple(int(a.ctypes.data) for a in kv),
