@@ -80,8 +80,7 @@ class DestinationRules(Core):
         if self.early.reserve(nbytes):
             held.append((msg, nbytes))
         elif isinstance(msg, TransferInfo):
-            self._refuse(msg, "early_bytes", f"room {msg.room}: prefill rank holds {self.early.max_bytes} bytes of "
-                         f"destinations waiting, at most (max_early_bytes)")
+            self._refuse_over_budget(msg)
         else:
             self._drop("held_full", f"{type(msg).__name__} behind a destination check (max_early_bytes)")
 
@@ -141,8 +140,7 @@ class DestinationRules(Core):
     def _check_off_loop(self, info: TransferInfo, peer: DecodePeer, limits: DestinationLimits) -> None:
         nbytes = info_bytes(info)
         if not self.early.reserve(nbytes):
-            self._refuse(info, "early_bytes", f"room {info.room}: prefill rank holds {self.early.max_bytes} bytes "
-                         f"of destinations waiting, at most (max_early_bytes)")
+            self._refuse_over_budget(info)
             return
         token = next(self._check_ids)
         self._checks[token] = _Check(info, peer, nbytes)
@@ -173,6 +171,10 @@ class DestinationRules(Core):
         if refused is not None:
             self._refuse(info, *refused)
             self.early.discard_if_empty(info.room)
+
+    def _refuse_over_budget(self, info: TransferInfo) -> None:
+        self._refuse(info, "early_bytes", f"room {info.room}: prefill rank holds {self.early.max_bytes} bytes of "
+                     f"destinations waiting, at most (max_early_bytes)")
 
     def _refuse(self, info: TransferInfo, kind: str, reason: str) -> None:
         """Answer a destination that is not kept with ``Status(ok=False)`` now, and count it."""

@@ -33,7 +33,7 @@ from ..errors import BootstrapTimeout, PeerUnreachable, RemoteProtocolError
 from ..proto.auth import AUTH_HEADER, Authenticator, AuthError
 from ..proto.bootstrap import PayloadError, PrefillRank, RankTable, RouteConflict, lease_key
 from ..proto.topology import PrefillInstance
-from .ops import HttpLimits, HttpService, add_ops_routes, loopback_only, safe_check, serve
+from .ops import HttpLimits, HttpRefused, HttpService, add_ops_routes, loopback_only, read_json, safe_check, serve
 
 __all__ = ["BootstrapClient", "BootstrapServer", "split_addr"]
 
@@ -52,11 +52,6 @@ def split_addr(addr: str) -> tuple[str, int]:
         raise ValueError(f"bootstrap address must be host:port, got {addr!r}")
     return host.strip("[]"), int(port)
 
-
-class _Refused(Exception):
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
 
 
 class BootstrapServer:
@@ -126,27 +121,20 @@ class BootstrapServer:
         return web.json_response({"error": reason, **extra}, status=status)
 
     async def _json_body(self, request: web.Request) -> Any:
-        """The authenticated, decoded body; raises ``_Refused`` with the status and reason."""
-        try:  # aiohttp waits for a body as long as the client keeps the connection open
-            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
-        except asyncio.TimeoutError:
-            raise _Refused(408, f"body not received within {self.limits.body_timeout_s:g}s") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise _Refused(413, f"body larger than {MAX_BODY_BYTES} bytes") from None
-        if self._auth is not None:
-            try:  # wall clock: freshness across hosts (see proto.auth)
-                self._auth.check_http(request.method, request.path, raw, request.headers.get(AUTH_HEADER),
-                                      time.time_ns())
-            except AuthError as exc:
-                raise _Refused(401, str(exc)) from None
-            except Exception as exc:  # a header that cannot even be checked (a time beyond 64 bits) proves nothing
-                raise _Refused(401, f"unauthenticated (malformed): {AUTH_HEADER} cannot be checked: {exc}") from None
-        try:
-            return json.loads(raw)
-        except RecursionError:
-            raise _Refused(400, "body is not JSON: nested too deeply") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _Refused(400, f"body is not JSON: {exc}") from None
+        """The authenticated, decoded body; raises ``HttpRefused`` with the status and reason."""
+        return await read_json(request, self.limits, MAX_BODY_BYTES,
+                               None if self._auth is None else lambda raw: self._authenticate(request, raw))
+
+    def _authenticate(self, request: web.Request, raw: bytes) -> None:
+        auth = self._auth
+        if auth is None:
+            return
+        try:  # wall clock: freshness across hosts (see proto.auth)
+            auth.check_http(request.method, request.path, raw, request.headers.get(AUTH_HEADER), time.time_ns())
+        except AuthError as exc:
+            raise HttpRefused(401, str(exc)) from None
+        except Exception as exc:  # a header that cannot even be checked (a time beyond 64 bits) proves nothing
+            raise HttpRefused(401, f"unauthenticated (malformed): {AUTH_HEADER} cannot be checked: {exc}") from None
 
     async def _put_route(self, request: web.Request) -> web.Response:
         try:
@@ -154,7 +142,7 @@ class BootstrapServer:
             rank, key = PrefillRank.from_json(body), lease_key(body)
             async with self._lock:  # every request that got here was authenticated, if there is a token
                 changed = self.table.register(rank, time.monotonic(), key=key, authenticated=self._auth is not None)
-        except _Refused as exc:
+        except HttpRefused as exc:
             return self._refuse(exc.status, str(exc))
         except PayloadError as exc:
             return self._refuse(400, str(exc))
@@ -177,7 +165,7 @@ class BootstrapServer:
             if not all(type(k) is int for k in key) or not isinstance(agent_id, str):
                 raise PayloadError("need integer dp_rank, tp_rank, pp_rank and a string agent_id")
             lease = lease_key(body)
-        except _Refused as exc:
+        except HttpRefused as exc:
             return self._refuse(exc.status, str(exc))
         except PayloadError as exc:
             return self._refuse(400, str(exc))

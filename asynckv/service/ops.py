@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -21,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..proto.auth import PROTECTED_MODE_REASON, is_loopback
 from . import metrics
 
-__all__ = ["HttpLimits", "HttpService", "OpsServer", "add_ops_routes", "loopback_only", "peers_view", "serve"]
+__all__ = ["HttpLimits", "HttpRefused", "HttpService", "OpsServer", "add_ops_routes", "loopback_only", "peers_view",
+           "read_json", "serve"]
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Paths anyone may read in protected mode; every other path is loopback only."""
@@ -49,6 +51,36 @@ class HttpLimits:
     def __post_init__(self) -> None:
         if self.max_connections < 1 or not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
             raise ValueError(f"bad HTTP limits: {self}")
+
+
+class HttpRefused(Exception):
+    """A request refused with ``status`` and a reason (the servers answer it as they answer errors)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+async def read_json(request: web.Request, limits: HttpLimits, max_bytes: int,
+                    check: Callable[[bytes], None] | None = None) -> Any:
+    """A request's JSON body, within the limits; raises ``HttpRefused``: 408 when it does not arrive
+    in time (aiohttp waits as long as the client keeps the connection open), 413 when too large,
+    400 when not JSON (nesting too deep included: a RecursionError was a 500). ``check`` sees the
+    raw body first (authentication) and raises ``HttpRefused`` itself."""
+    try:
+        raw = await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise HttpRefused(408, f"body not received within {limits.body_timeout_s:g}s") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise HttpRefused(413, f"body larger than {max_bytes} bytes") from None
+    if check is not None:
+        check(raw)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise HttpRefused(400, "body is not JSON: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HttpRefused(400, f"body is not JSON: {exc}") from None
 
 
 def peers_view() -> list[dict[str, Any]]:
@@ -131,7 +163,10 @@ class HttpService:
     """A started aiohttp app: the runner, the listening socket and the connection cap."""
 
     def __init__(self, runner: web.AppRunner, limits: HttpLimits) -> None:
+        if runner.server is None:
+            raise RuntimeError("the app runner is not set up")
         self._runner = runner
+        self._server = runner.server
         self._limits = limits
         self._listener: asyncio.AbstractServer | None = None
         self.port = 0
@@ -144,15 +179,13 @@ class HttpService:
 
     @property
     def open_connections(self) -> int:
-        server = self._runner.server
-        return 0 if server is None else sum(1 for h in server.connections if h.transport is not None)
+        return sum(1 for h in self._server.connections if h.transport is not None)
 
     def _accept(self) -> asyncio.BaseProtocol:
         """Protocol factory: over the cap, close the oldest open connection first. An attacker's idle
         or half-sent connections are older than a real client's fresh one, so real requests get in
         (closing the newest instead would lock every new client out until the old ones time out)."""
-        server = self._runner.server
-        assert server is not None
+        server = self._server
         # Connections accepted in this loop iteration are not listed until their connection_made:
         # a burst may exceed the cap by asyncio's accept batch (the backlog) until the next accept.
         live = [h for h in server.connections if h.transport is not None]

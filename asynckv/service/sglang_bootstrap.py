@@ -18,7 +18,6 @@ Routes, answers as SGLang's server gives them (plain text where it answers text)
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -27,7 +26,7 @@ from aiohttp import web
 
 from ..proto.bootstrap import PayloadError
 from ..proto.sglang_bootstrap import SglangRouteTable
-from .ops import HttpLimits, HttpService, loopback_only, serve
+from .ops import HttpLimits, HttpRefused, HttpService, loopback_only, read_json, serve
 
 __all__ = ["SglangBootstrapServer"]
 
@@ -88,25 +87,17 @@ class SglangBootstrapServer:
         return web.Response(text=reason, status=status)
 
     async def _json(self, request: web.Request) -> Any:
-        try:
-            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
-            return json.loads(raw)
-        except asyncio.TimeoutError:
-            raise PayloadError(f"body not received within {self.limits.body_timeout_s:g}s") from None
-        except RecursionError:
-            raise PayloadError("body is not JSON: nested too deeply") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise PayloadError(f"body is not JSON: {exc}") from None
+        return await read_json(request, self.limits, MAX_BODY_BYTES)
 
     async def _put_route(self, request: web.Request) -> web.Response:
         try:
             body = await self._json(request)
             async with self._lock:
                 self.table.register(body)
+        except HttpRefused as exc:
+            return self._refuse(exc.status, str(exc))
         except PayloadError as exc:
             return self._refuse(400, str(exc))
-        except web.HTTPRequestEntityTooLarge:
-            return self._refuse(413, f"body larger than {MAX_BODY_BYTES} bytes")
         return web.Response(text="OK")
 
     async def _get_route(self, request: web.Request) -> web.Response:
@@ -135,6 +126,8 @@ class SglangBootstrapServer:
             room, dp = (body.get(k) if isinstance(body, dict) else None for k in ("bootstrap_room", "dp_rank"))
             if type(room) is not int or type(dp) is not int or room < 0 or not 0 <= dp < 1 << 16:
                 raise PayloadError("need integer bootstrap_room and dp_rank")
+        except HttpRefused as exc:
+            return self._refuse(exc.status, str(exc))
         except PayloadError as exc:
             return self._refuse(400, str(exc))
         self.table.register_room(room, dp, time.monotonic())
@@ -146,6 +139,8 @@ class SglangBootstrapServer:
             rooms = body.get("bootstrap_rooms") if isinstance(body, dict) else None
             if not isinstance(rooms, list) or len(rooms) > 4096 or not all(type(r) is int for r in rooms):
                 raise PayloadError("need bootstrap_rooms: a list of at most 4096 integers")
+        except HttpRefused as exc:
+            return self._refuse(exc.status, str(exc))
         except PayloadError as exc:
             return self._refuse(400, str(exc))
         return web.json_response(self.table.query_rooms(rooms, time.monotonic()))

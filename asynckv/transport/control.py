@@ -149,7 +149,7 @@ class ControlChannel:
                 in_a_row = 0
                 await asyncio.sleep(0)  # let timers and other tasks run between batches
             try:
-                parts = await pull.recv_multipart(copy=False)
+                frames, origin = await self._recv(pull)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
@@ -159,8 +159,14 @@ class ControlChannel:
                 await asyncio.sleep(0.01)
                 continue
             self.received += 1
-            origin = str(parts[0].get("Peer-Address")) if self._loopback_only else None
-            self._handle([part.bytes for part in parts], origin)
+            self._handle(frames, origin)
+
+    async def _recv(self, pull: zmq.asyncio.Socket) -> tuple[list[bytes], str | None]:
+        """One message, and its TCP peer address in protected mode (only ZMQ frame objects carry it)."""
+        if not self._loopback_only:
+            return await pull.recv_multipart(copy=True), None
+        parts = await pull.recv_multipart(copy=False)
+        return [part.bytes for part in parts], str(parts[0].get("Peer-Address"))
 
     def _handle(self, frames: list[bytes], origin: str | None = None) -> None:
         """Open, decode and hand on one message; ``origin``: its TCP peer address, when it matters."""
