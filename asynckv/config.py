@@ -14,7 +14,10 @@ from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["Config"]
+__all__ = ["WIRES", "Config"]
+
+WIRES = ("asynckv", "sglang-0.5.10")
+"""The wire protocols a manager can speak."""
 
 # Reference-connector variables honoured where they map one to one (the ASYNCKV_ name wins).
 _LEGACY_ENV: dict[str, str] = {
@@ -107,6 +110,13 @@ class Config:
     auth_token: str = ""
     """Shared secret; when set, every control message and mutating bootstrap request is
     authenticated (HMAC-SHA256 with a freshness window). Also ASYNCKV_AUTH_TOKEN."""
+    wire: str = "asynckv"
+    """The protocol this manager speaks: ``"asynckv"`` (its own, between asynckv ranks) or
+    ``"sglang-0.5.10"`` (SGLang 0.5.10's NIXL connector wire, to pair with stock SGLang ranks:
+    see docs/interop.md). Also ASYNCKV_WIRE."""
+    sglang_kv_cache_dtype: str = "auto"
+    """On the SGLang wire: this rank's ``kv_cache_dtype`` as SGLang names and compares it (its
+    ``--kv-cache-dtype``; ``"auto"`` is the model's dtype)."""
     allow_unauthenticated: bool = False
     """Without a token, control traffic (ZMQ messages, bootstrap ``/route`` and ``/peers``) is
     accepted from loopback only ("protected mode"); True accepts it from any host, unauthenticated
@@ -136,6 +146,12 @@ class Config:
                 raise InvalidArgument(f"config {name} must be >= 1, got {getattr(self, name)!r}")
         if not self.host:
             raise InvalidArgument("config host must not be empty")
+        if self.wire not in WIRES:
+            raise InvalidArgument(f"config wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
+        if self.wire != "asynckv" and self.auth_token:
+            raise InvalidArgument(f"config wire {self.wire!r} cannot carry auth_token: stock SGLang ranks do not "
+                                  f"authenticate (keep them on loopback, or isolate their network and set "
+                                  f"allow_unauthenticated)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:

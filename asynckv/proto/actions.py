@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .messages import Message
+from .sglang import SglangMessage
 
 if TYPE_CHECKING:
     from .receiver import ReceiverRoom
@@ -51,7 +52,8 @@ class Send(Action):
     """Send a control message; messages to one endpoint leave in the order they were asked for."""
 
     endpoint: str
-    msg: Message
+    msg: Message | SglangMessage
+    """A message of the manager's wire: asynckv's own, or SGLang's (``Config.wire``)."""
     transient: bool = False
     """A reply to an endpoint nobody vouched for (a refused registration, a ping of an unknown
     session): sent through a small, rate-limited pool of sockets, never kept open for it."""
@@ -75,6 +77,8 @@ class Post(Action):
     """The matching decode page indices, ``[aux row]`` or state indices."""
     nbytes: int
     timeout_s: float
+    notif: bytes = b""
+    """NIXL notification sent with the write's last handle (SGLang's wire), or none."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from ..errors import InvalidArgument
 from ..layout import KVArgs
 from .actions import Action, Send
 from .liveness import Liveness, PeerState
-from .messages import Message, Ping
+from .messages import Ping
 from .timers import Deadlines
 
 __all__ = ["Core", "check_int"]
@@ -46,15 +46,15 @@ class Core:
         self.closed = False
         self._next_beat = 0.0
         self._out: list[Action] = []
-        self._handlers: dict[type[Message], Callable[[Any, float], None]] = {}
+        self._handlers: dict[type[Any], Callable[[Any, float], None]] = {}
 
     def actions(self) -> list[Action]:
         """Take the actions produced so far, in order."""
         out, self._out = self._out, []
         return out
 
-    def receive(self, msg: Message, now: float) -> None:
-        """A decoded control message."""
+    def receive(self, msg: Any, now: float) -> None:
+        """A decoded control message (of the wire the manager speaks)."""
         self.stats[f"msg_{type(msg).__name__}"] += 1
         handler = self._handlers.get(type(msg))
         if handler is None:

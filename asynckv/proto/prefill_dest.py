@@ -117,7 +117,8 @@ class DestinationRules(Core):
 
     # -- arrival -----------------------------------------------------------------------------
 
-    def _on_transfer_info(self, info: TransferInfo, now: float) -> None:
+    def _on_transfer_info(self, info: TransferInfo, now: float, refused: str | None = None) -> None:
+        """A destination; ``refused``: the wire already found it unusable (the room fails with it)."""
         if info.prefill_id != self.name:
             self._drop("stale_incarnation", f"room {info.room} meant for {info.prefill_id[:8]}")
             return
@@ -129,7 +130,7 @@ class DestinationRules(Core):
             self._drop("duplicate", f"room {info.room}#{info.epoch} destination again")
             return
         limits = peer.limits
-        reason = precheck_destination(info, limits)
+        reason = refused or precheck_destination(info, limits)
         if reason is None and destination_indices(info) >= self.config.offload_min_descs:
             self._check_off_loop(info, peer, limits)
             return

@@ -18,7 +18,7 @@ from .actions import ConnectPeer, DisconnectPeer, ForgetEndpoint, PeerDown, Peer
 from .core import Core
 from .messages import Bye, Ping, Pong, Register, RegisterResult
 from .sender import DecodePeer, PeerPhase, SenderRoom
-from .topology import plan_peer
+from .topology import PeerPlan, plan_peer
 
 __all__ = ["PeerRules"]
 
@@ -64,11 +64,22 @@ class PeerRules(Core):
             return
         peer.phase = PeerPhase.CONNECTED
         peer.reg = dataclasses.replace(peer.reg, agent_metadata=b"")  # NIXL holds it now: not kept twice
-        state = self.liveness.add(peer.name, peer.endpoint, peer.session, now, lease_s=peer.lease_s)
-        self._emit(SetLease(peer.name, state.lease_until))  # before decode can send a destination
+        self._watch(peer, now)  # (its write lease is set before decode can send a destination)
         self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, True, "")))
         self._emit(PeerUp(peer.name, now - peer.started))
         self.stats["peers_added"] += 1
+
+    def _watch(self, peer: DecodePeer, now: float) -> None:
+        """Start the heartbeat of a connected peer and grant its first write lease."""
+        state = self.liveness.add(peer.name, peer.endpoint, peer.session, now, lease_s=peer.lease_s)
+        self._emit(SetLease(peer.name, state.lease_until))
+
+    def _plan_peer(self, reg: Register) -> PeerPlan:
+        """Validate a registration and plan the writes into it (raises ``AsyncKVError`` to refuse it)."""
+        return plan_peer(self.kv_args, reg, max_rows=self.config.max_peer_dlist_rows)
+
+    def _new_peer(self, reg: Register, plan: PeerPlan, now: float) -> DecodePeer:
+        return DecodePeer.from_register(reg, plan, now, MAX_LEASE_S, self.kv_args.tp_size)
 
     def declare_dead(self, peer_id: str, error: BaseException, now: float) -> None:
         """Drop a decode peer now: fail its rooms, cancel its writes, say goodbye once they settled."""
@@ -151,12 +162,12 @@ class PeerRules(Core):
             refuse(f"too many registrations waiting to connect ({MAX_WAITING_REGISTRATIONS}); try again")
             return
         try:
-            plan = plan_peer(self.kv_args, reg, max_rows=self.config.max_peer_dlist_rows)
+            plan = self._plan_peer(reg)
         except AsyncKVError as exc:
             log.warning("refused decode peer %s at %s: %s", reg.decode_id[:8], reg.endpoint, exc)
             refuse(str(exc))
             return
-        peer = DecodePeer.from_register(reg, plan, now, MAX_LEASE_S, self.kv_args.tp_size)
+        peer = self._new_peer(reg, plan, now)
         if current is not None:  # the decode forgot its old session with us: void it first
             self.drop_peer(current, PeerRestarted(
                 f"decode {reg.decode_id[:8]} registered again (session {reg.session})"), now, say_bye=False)

@@ -93,6 +93,10 @@ class WriteRules(Core):
         self._pump_queue()
         self._maybe_closed()
 
+    def _notification(self, q: Queued) -> bytes:
+        """The NIXL notification a write carries (none on asynckv's wire: decode hears a Status)."""
+        return b""
+
     def _queue_writes(self, room: SenderRoom, chunk: int,
                       writes: list[tuple[Destination, str, I64, I64, int]]) -> None:
         for i, (dest, kind, src, dst, nbytes) in enumerate(writes):
@@ -153,6 +157,7 @@ class WriteRules(Core):
             self.stats[f"{q.kind}_posts"] += 1
             self.stats[f"{q.kind}_bytes"] += q.nbytes
             timeout = self.config.xfer_deadline_base_s + q.nbytes / self.config.xfer_deadline_min_bytes_per_s
-            self._emit(Post(post_id, dest.peer.name, room.room, dest.epoch, q.kind, q.src, q.dst, q.nbytes, timeout))
+            self._emit(Post(post_id, dest.peer.name, room.room, dest.epoch, q.kind, q.src, q.dst, q.nbytes, timeout,
+                            self._notification(q)))
             if q.last_of_chunk:
                 self._emit(ChunkPosted(room, q.chunk))

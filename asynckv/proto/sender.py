@@ -42,6 +42,10 @@ class DecodePeer:
     required: int = 1
     """Decode ranks that send each room's destination, for this peer's TP size and ours (as decode's
     ``plan_targets`` computes it): what its destinations must say, and how many a room can have."""
+    pool_known: bool = True
+    """The registration says how many pages the decode has (asynckv's wire). A stock SGLang decode's
+    does not: its destinations are bounded by NIXL's check of its registered memory, and no
+    destination dlist is prepared for it."""
     phase: PeerPhase = PeerPhase.CONNECTING
     connecting: bool = False
     """A ConnectPeer was emitted and the data plane has not answered yet."""

@@ -36,10 +36,12 @@ __all__ = [
     "GUARD",
     "SglangCompletion",
     "SglangNotification",
+    "SglangMessage",
     "SglangRegister",
     "SglangTransferInfo",
     "aux_notification",
     "decode_frames",
+    "encode_message",
     "kv_notification",
     "parse_notification",
     "state_notification",
@@ -148,7 +150,15 @@ class SglangTransferInfo:
                 np.ascontiguousarray(self.state_indices, dtype="<i4").tobytes()]
 
 
-def decode_frames(frames: list[bytes]) -> SglangRegister | SglangTransferInfo:
+SglangMessage = SglangRegister | SglangTransferInfo
+"""What a decode rank sends a prefill rank on SGLang's wire."""
+
+
+def encode_message(msg: SglangMessage) -> list[bytes]:
+    return msg.encode()
+
+
+def decode_frames(frames: list[bytes]) -> SglangMessage:
     """Decode one decode → prefill message; raises ``RemoteProtocolError`` naming the bad field."""
     if not frames or bytes(frames[0]) != GUARD:
         raise RemoteProtocolError("sglang: first frame is not the NixlMsgGuard (foreign traffic?)")

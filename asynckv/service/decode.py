@@ -17,21 +17,19 @@ from .bootstrap import BootstrapClient
 from .pump import Pump
 from .receiver import KVReceiver
 
-__all__ = ["DecodeService"]
+__all__ = ["DecodeService", "ReceiverPump"]
 
 
-class DecodeService(Pump):
+class ReceiverPump(Pump):
+    """What every decode pump shares: the receivers' views and their futures."""
+
     mode = "decode"
 
-    def __init__(self, core: DecodeCore, control: ControlPlane, http: BootstrapClient, config: Config,
-                 labels: tuple[str, str], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, core: Any, control: ControlPlane, labels: tuple[str, str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(core, control, labels, clock)
-        self.core: DecodeCore = core
-        self.http = http
-        self.config = config
         self.views: dict[ReceiverRoom, KVReceiver] = {}
-        self.handlers.update({act.FetchTopology: self._on_fetch, act.InitDone: self._on_init_done,
-                              act.Finished: self._on_finished})
+        self.handlers.update({act.InitDone: self._on_init_done, act.Finished: self._on_finished})
 
     def open(self, addr: str, room: int) -> KVReceiver:
         receiver = KVReceiver(self, self.feed("open_receiver", addr, room), addr)
@@ -40,6 +38,33 @@ class DecodeService(Pump):
 
     def forget_view(self, receiver: KVReceiver) -> None:
         self.views.pop(receiver.state, None)
+
+    def _on_init_done(self, a: act.InitDone) -> None:
+        view = self.views.get(a.room)
+        if view is not None:
+            view.init_done()
+
+    def _on_finished(self, a: act.Finished) -> None:
+        room = a.room
+        if isinstance(room, ReceiverRoom):
+            self.room_finished(room, room.addr)
+            view = self.views.get(room)
+            if view is not None:
+                view.finished()
+
+    def snapshot(self) -> dict[str, Any]:
+        snap: dict[str, Any] = self.core.snapshot(self.clock())
+        return snap
+
+
+class DecodeService(ReceiverPump):
+    def __init__(self, core: DecodeCore, control: ControlPlane, http: BootstrapClient, config: Config,
+                 labels: tuple[str, str], clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(core, control, labels, clock)
+        self.core: DecodeCore = core
+        self.http = http
+        self.config = config
+        self.handlers[act.FetchTopology] = self._on_fetch
 
     async def instance(self, addr: str) -> PrefillInstance:
         """The topology of the prefill at ``addr`` (fetched once, then cached by the core)."""
@@ -62,19 +87,3 @@ class DecodeService(Pump):
         except AsyncKVError as exc:
             result = exc
         self.feed("topology_fetched", addr, result)
-
-    def _on_init_done(self, a: act.InitDone) -> None:
-        view = self.views.get(a.room)
-        if view is not None:
-            view.init_done()
-
-    def _on_finished(self, a: act.Finished) -> None:
-        room = a.room
-        if isinstance(room, ReceiverRoom):
-            self.room_finished(room, room.addr)
-            view = self.views.get(room)
-            if view is not None:
-                view.finished()
-
-    def snapshot(self) -> dict[str, Any]:
-        return self.core.snapshot(self.clock())

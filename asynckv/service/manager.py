@@ -26,18 +26,26 @@ from ..proto.bootstrap import PrefillRank
 from ..proto.decode import DecodeCore, random_sessions
 from ..proto.liveness import PeerState
 from ..proto.messages import Message, Register, RegisterResult, VersionMismatch
+from ..proto.messages import decode as decode_message
+from ..proto.messages import encode as encode_message
 from ..proto.prefill import PrefillCore
+from ..proto.sglang import SglangRegister, decode_frames
+from ..proto.sglang import encode_message as encode_sglang
+from ..proto.sglang_decode import SglangDecodeCore
+from ..proto.sglang_prefill import SglangPrefillCore
 from ..proto.topology import PrefillInstance
 from ..transport.base import DataPlane
 from ..transport.control import ControlChannel
 from ..transport.nixl import NixlDataPlane
 from . import metrics
 from .bootstrap import BootstrapClient, BootstrapServer, split_addr
-from .decode import DecodeService
+from .decode import DecodeService, ReceiverPump
 from .ops import OpsServer
 from .prefill import PrefillService
 from .receiver import KVReceiver
 from .sender import KVSender
+from .sglang_bootstrap import SglangBootstrapClient, SglangBootstrapServer, sglang_rank
+from .sglang_decode import SglangDecodeService
 from .writes import SCRATCH_BYTES, WriteBuilder
 
 __all__ = ["KVManager", "Mode"]
@@ -68,16 +76,19 @@ class KVManager:
         self.config = config if config is not None else Config.from_env()
         self.bootstrap_addr = bootstrap_addr
         self.name = str(uuid.uuid4())
-        self.bootstrap_server: BootstrapServer | None = None
+        self.bootstrap_server: BootstrapServer | SglangBootstrapServer | None = None
         self.ops_server: OpsServer | None = None
         self.page_bytes = int(sum(kv_args.kv_item_lens))
         """Bytes one page index moves across all KV entries."""
         self.data_plane_factory: Callable[[str, Config, Callable[[], bool]], DataPlane] = _nixl_plane
         """Makes this manager's data plane at ``start()`` (``asynckv.testing`` swaps in fakes)."""
-        self._svc: PrefillService | DecodeService | None = None
+        self._svc: PrefillService | DecodeService | SglangDecodeService | None = None
         self._data: DataPlane | None = None
         self._control: ControlChannel | None = None
-        self._http = BootstrapClient(self.config.http_timeout_s, self.config.auth_token)
+        self.sglang = self.config.wire != "asynckv"
+        """Speaks SGLang 0.5.10's wire (``Config.wire``), to pair with stock SGLang ranks."""
+        self._http = SglangBootstrapClient(self.config.http_timeout_s) if self.sglang \
+            else BootstrapClient(self.config.http_timeout_s, self.config.auth_token)
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
         self._my_rank: PrefillRank | None = None
         self._started = False
@@ -165,14 +176,30 @@ class KVManager:
         scratch = (int(self._scratch.ctypes.data), SCRATCH_BYTES)
         metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill))
         auth = Authenticator(cfg.auth_token) if cfg.auth_token else None
+        codec = (decode_frames, encode_sglang) if self.sglang else (decode_message, encode_message)
         control = self._control = ControlChannel(cfg.host, self._on_message, self._on_version_mismatch,
                                                  cfg.send_timeout_s, auth, loopback_only=cfg.protected,
-                                                 on_refused=self._on_refused)
+                                                 on_refused=self._on_refused, codec=codec)
         endpoint = await control.start()
         if prefill:
-            core = PrefillCore(self.name, endpoint, self.kv_args, cfg)
+            core = (SglangPrefillCore if self.sglang else PrefillCore)(self.name, endpoint, self.kv_args, cfg)
             self._svc = PrefillService(core, control, data, builder, cfg, labels)
             await self._start_prefill()
+        elif self.sglang:
+            if not isinstance(data, NixlDataPlane) or not isinstance(self._http, SglangBootstrapClient):
+                raise InvalidArgument("the SGLang wire completes rooms with NIXL notifications: it needs the NIXL "
+                                      "data plane")
+            host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+            a = self.kv_args
+            sglang_register = SglangRegister(
+                ip=host.strip("[]"), port=int(port), agent_name=self.name, agent_metadata=metadata,
+                kv_ptrs=tuple(int(x) for x in a.kv_data_ptrs), aux_ptrs=tuple(int(x) for x in a.aux_data_ptrs),
+                state_ptrs=(), gpu_id=a.gpu_id, tp_size=a.tp_size, engine_rank=a.engine_rank,
+                kv_item_len=int(a.kv_item_lens[0]))
+            core_d = SglangDecodeCore(self.name, endpoint, a, cfg, sglang_register)
+            sglang = SglangDecodeService(core_d, control, self._http, cfg, labels)
+            data.on_notified = sglang.on_notified
+            self._svc = sglang
         else:
             register = _register_template(self.name, endpoint, self.kv_args, scratch, metadata)
             decode = DecodeCore(self.name, endpoint, self.kv_args, cfg, register, random_sessions())
@@ -184,6 +211,8 @@ class KVManager:
 
     def _expecting(self) -> bool:
         svc = self._svc
+        if isinstance(svc, SglangDecodeService):
+            return bool(svc.core.progress)
         return isinstance(svc, DecodeService) and bool(svc.core.rooms or svc.core.fencing)
 
     async def _start_prefill(self) -> None:
@@ -191,10 +220,12 @@ class KVManager:
         if addr is None:
             raise InvalidArgument("a PREFILL manager needs bootstrap_addr")
         host, port = split_addr(addr)
+        cfg = self.config
         # Port 0 asks for an embedded server on a free port (tests, single-instance demos).
-        if port == 0 or (self.config.host_bootstrap and not await self._http.is_up(addr)):
-            server = BootstrapServer(host, port, self.config.auth_token,
-                                     allow_unauthenticated=self.config.allow_unauthenticated)
+        if port == 0 or (cfg.host_bootstrap and not await self._http.is_up(addr)):
+            server: BootstrapServer | SglangBootstrapServer = \
+                SglangBootstrapServer(host, port, allow_unauthenticated=cfg.allow_unauthenticated) if self.sglang \
+                else BootstrapServer(host, port, cfg.auth_token, allow_unauthenticated=cfg.allow_unauthenticated)
             try:
                 await server.start()
             except OSError as exc:  # another rank of this instance won the race
@@ -202,8 +233,13 @@ class KVManager:
             else:
                 self.bootstrap_server = server
                 self.bootstrap_addr = addr = server.addr
-                server.add_health_check(f"manager-{self.name[:8]}", lambda: self.healthy)
+                if isinstance(server, BootstrapServer):
+                    server.add_health_check(f"manager-{self.name[:8]}", lambda: self.healthy)
         a = self.kv_args
+        if isinstance(self._http, SglangBootstrapClient):  # SGLang's registration has no lease to renew
+            await self._http.register_sglang(addr, sglang_rank(a, self.endpoint, cfg.sglang_kv_cache_dtype),
+                                             cfg.register_attempts)
+            return
         self._my_rank = PrefillRank(
             tp_size=a.tp_size, tp_rank=a.engine_rank, pp_size=a.pp_size, pp_rank=a.pp_rank,
             dp_size=a.dp_size, dp_rank=a.dp_rank, endpoint=self.endpoint, agent_id=self.name,
@@ -248,11 +284,11 @@ class KVManager:
         """Create the receiver of ``room``, served by the prefill at ``bootstrap_addr`` (decode only)."""
         svc = self._open(Mode.DECODE)
         split_addr(bootstrap_addr)
-        if not isinstance(svc, DecodeService):
+        if not isinstance(svc, ReceiverPump):
             raise LocalProtocolError("this is a prefill manager")
         return svc.open(bootstrap_addr, room)
 
-    def _open(self, mode: Mode) -> PrefillService | DecodeService:
+    def _open(self, mode: Mode) -> PrefillService | DecodeService | SglangDecodeService:
         if self.mode is not mode:
             raise LocalProtocolError(f"this is a {self.mode.value} manager")
         if not self._started or self._closed or self._svc is None:
@@ -263,7 +299,7 @@ class KVManager:
         """The topology of the prefill at ``addr``, fetched once and cached (decode only)."""
         svc = self._open(Mode.DECODE)
         if not isinstance(svc, DecodeService):
-            raise LocalProtocolError("this is a prefill manager")
+            raise LocalProtocolError("prefill_instance() is for decode managers on asynckv's wire")
         return await svc.instance(addr)
 
     # -- peers and messages ------------------------------------------------------------------

@@ -155,8 +155,9 @@ class PrefillService(Pump):
                 await self.data.connect_peer(peer.name, reg.agent_metadata, rows, reg.mem_kind)
                 del rows
             try:
-                await self.data.warm_up(peer.name, (reg.scratch_ptr, reg.scratch_len),
-                                        self.config.handshake_timeout_s)
+                if reg.scratch_len:  # (a stock SGLang decode registers no scratch area: its first write warms up)
+                    await self.data.warm_up(peer.name, (reg.scratch_ptr, reg.scratch_len),
+                                            self.config.handshake_timeout_s)
             except BaseException:
                 self.data.forget_peer(peer.name)
                 raise

@@ -14,7 +14,7 @@ from ..proto.receiver import ReceiverRoom
 from ..proto.states import KVPoll, ReceiverState
 
 if TYPE_CHECKING:
-    from .decode import DecodeService
+    from .decode import ReceiverPump
 
 __all__ = ["KVReceiver"]
 
@@ -31,7 +31,7 @@ class KVReceiver:
     decode reuse the pages. Meanwhile ``poll()`` says Transferring.
     """
 
-    def __init__(self, service: DecodeService, room: ReceiverRoom, bootstrap_addr: str) -> None:
+    def __init__(self, service: ReceiverPump, room: ReceiverRoom, bootstrap_addr: str) -> None:
         self._svc = service
         self.state = room
         """The core's record of this room (read-only for callers)."""

@@ -24,11 +24,15 @@ from typing import Any
 
 from aiohttp import web
 
+from ..errors import BootstrapTimeout, PeerUnreachable, RemoteProtocolError
+from ..layout import KVArgs
 from ..proto.bootstrap import PayloadError
 from ..proto.sglang_bootstrap import SglangRouteTable
+from ..proto.sglang_decode import SglangPrefill, check_prefill
+from .bootstrap import BootstrapClient, _backoff, _reason
 from .ops import HttpLimits, HttpRefused, HttpService, loopback_only, read_json, serve
 
-__all__ = ["SglangBootstrapServer"]
+__all__ = ["SglangBootstrapClient", "SglangBootstrapServer", "sglang_rank"]
 
 log = logging.getLogger("asynckv.bootstrap")
 
@@ -147,3 +151,77 @@ class SglangBootstrapServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
+
+
+def sglang_rank(kv_args: KVArgs, endpoint: str, kv_cache_dtype: str) -> dict[str, Any]:
+    """The ``PUT /route`` body of an asynckv prefill rank on the SGLang wire (SGLang's fields)."""
+    a = kv_args
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return {"attn_tp_size": a.tp_size, "attn_tp_rank": a.engine_rank, "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": a.dp_size, "attn_dp_rank": a.dp_rank, "pp_size": a.pp_size, "pp_rank": a.pp_rank,
+            "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": host.strip("[]"), "rank_port": int(port),
+            "page_size": a.page_size, "kv_cache_dtype": kv_cache_dtype, "load_balance_method": "follow_bootstrap_room"}
+
+
+class SglangBootstrapClient(BootstrapClient):
+    """SGLang 0.5.10's bootstrap HTTP API, from the client side (``PUT /route``, ``GET /route``,
+    ``GET /health``); errors mapped to asynckv's tree."""
+
+    async def register_sglang(self, addr: str, body: dict[str, Any], attempts: int = 5) -> None:
+        """``PUT /route`` (SGLang has no lease and no removal): an unreachable server is retried
+        ``attempts`` times with backoff; a refusal raises at once with the server's reason."""
+        for attempt in range(attempts):
+            try:
+                status, data = await self._request("PUT", addr, "/route", body)
+            except PeerUnreachable as exc:
+                if attempt + 1 >= attempts:
+                    raise PeerUnreachable(f"could not register with SGLang bootstrap server {addr} after "
+                                          f"{attempts} attempts: {exc}") from exc
+                await asyncio.sleep(_backoff(attempt, 5.0))
+                continue
+            if status != 200:
+                raise RemoteProtocolError(f"SGLang bootstrap server {addr} refused registration ({status}): "
+                                          f"{_reason(data)}")
+            return
+
+    async def fetch_sglang(self, addr: str, kv_args: KVArgs, kv_cache_dtype: str, timeout_s: float) -> SglangPrefill:
+        """The prefill instance (``GET /route`` with every parameter -1, retried while 503 until
+        ``timeout_s``) and, when this decode rank can pair with it, the endpoint of the rank it writes
+        to in each DP group (``target_tp_rank`` = our engine rank)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay = 0.02
+        while True:
+            status, data = await self._request("GET", addr, "/route?" + _query(-1, -1, -1, -1))
+            if status == 200:
+                break
+            if status != 503:
+                raise RemoteProtocolError(f"SGLang bootstrap server {addr} answered {status} to GET /route: "
+                                          f"{_reason(data)}")
+            if loop.time() + delay > deadline:
+                raise BootstrapTimeout(f"SGLang prefill at {addr} not ready after {timeout_s:.1f}s: {_reason(data)}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        prefill = SglangPrefill.from_json(data)
+        check_prefill(prefill, kv_args, kv_cache_dtype)  # (no endpoints to look up for a pair that cannot work)
+        for dp in range(prefill.dp_size):
+            status, data = await self._request("GET", addr, "/route?" + _query(dp, 0, kv_args.engine_rank, 0))
+            ip, port = (data.get(k) if isinstance(data, dict) else None for k in ("rank_ip", "rank_port"))
+            if status != 200 or not isinstance(ip, str) or type(port) is not int or not 0 < port < 65536:
+                raise RemoteProtocolError(f"SGLang bootstrap server {addr}: no endpoint for dp rank {dp}, tp rank "
+                                          f"{kv_args.engine_rank} ({status}): {_reason(data)}")
+            host = f"[{ip}]" if ":" in ip else ip
+            prefill.endpoints[dp] = f"tcp://{host}:{port}"
+        return prefill
+
+    async def health(self, addr: str, timeout_s: float) -> str | None:
+        """``GET /health``: None when it answered 200, else why not."""
+        try:
+            status, data = await asyncio.wait_for(self._request("GET", addr, "/health"), timeout_s)
+        except (PeerUnreachable, TimeoutError) as exc:
+            return str(exc) or f"no answer within {timeout_s:g}s"
+        return None if status == 200 else f"GET /health answered {status}: {_reason(data)}"
+
+
+def _query(dp: int, cp: int, tp: int, pp: int) -> str:
+    return "&".join(f"{name}={value}" for name, value in zip(_PARAMS, (dp, cp, tp, pp), strict=True))

@@ -110,7 +110,7 @@ class WriteBuilder:
                      aux_ptrs=np.asarray(reg.aux_ptrs, dtype=np.uint64),
                      state_ptrs=np.asarray(reg.state_ptrs, dtype=np.uint64),
                      state_items=np.asarray(reg.state_item_lens, dtype=np.uint64),
-                     prepped=self.config.prepped_dlists and peer.plan.whole_pages)
+                     prepped=self.config.prepped_dlists and peer.plan.whole_pages and peer.pool_known)
         self._peers[peer.name] = geom
         if not geom.prepped:
             return None
@@ -143,6 +143,10 @@ class WriteBuilder:
         return len(post.src) * len(state.src_entries) * per_page
 
     def build(self, post: Post) -> Write:
+        write = self._build(post)
+        return dataclasses.replace(write, notif=post.notif) if post.notif else write
+
+    def _build(self, post: Post) -> Write:
         geom = self._peers.get(post.peer)
         if geom is None:
             raise KeyError(f"decode peer {post.peer[:8]} is not connected")

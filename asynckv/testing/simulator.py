@@ -288,6 +288,8 @@ class World(SimDataPlane):
 
     def _act(self, node: SimNode, a: act.Action) -> None:
         if isinstance(a, act.Send):
+            if not isinstance(a.msg, Message):
+                raise TypeError(f"the simulator runs asynckv's own wire, not {type(a.msg).__name__}")
             self._send(node, a.endpoint, a.msg)
         elif isinstance(a, act.Post):
             self._post(node, a)

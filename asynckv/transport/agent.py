@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from typing import Any
 
-__all__ = ["nixl_agent"]
+__all__ = ["keep_until_exit", "nixl_agent"]
 
 _ENV_LOCK = threading.Lock()
+_KEPT_UNTIL_EXIT: list[Any] = []
+"""Agents closed with transfers still in flight: never destroyed (see ``nixl_engine``)."""
 
 
 def nixl_agent(name: str, backend: str, loopback_only: bool = False) -> Any:
@@ -28,3 +31,10 @@ def nixl_agent(name: str, backend: str, loopback_only: bool = False) -> Any:
             return make(name, cfg)
         finally:
             del os.environ["UCX_NET_DEVICES"]
+
+
+def keep_until_exit(obj: Any) -> None:
+    """Hold ``obj`` past interpreter shutdown: its destructor never runs (the OS reclaims it at exit)."""
+    if not _KEPT_UNTIL_EXIT:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_UNTIL_EXIT))  # survives module teardown too
+    _KEPT_UNTIL_EXIT.append(obj)

@@ -28,13 +28,16 @@ import numpy as np
 import numpy.typing as npt
 
 from ..proto.messages import Message
+from ..proto.sglang import SglangMessage
 
-__all__ = ["ControlPlane", "DataPlane", "DescPiece", "MemoryLayout", "PreppedPiece", "Settled", "Write"]
+__all__ = ["ControlPlane", "DataPlane", "DescPiece", "MemoryLayout", "Notified", "PreppedPiece", "Settled", "Write"]
 
 U64 = npt.NDArray[np.uint64]
 
 Settled = Callable[[list[tuple[int, BaseException | None]]], None]
 """Called on the event loop with (post_id, error) of posts that settled, in batches."""
+Notified = Callable[[list[tuple[str, bytes]]], None]
+"""Called on the event loop with (sending agent, message) of NIXL notifications, in batches."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,6 +77,9 @@ class Write:
     pieces: tuple[PreppedPiece | DescPiece, ...]
     descriptors: int
     nbytes: int
+    notif: bytes = b""
+    """A NIXL notification sent with the last handle (SGLang's wire completes rooms with them):
+    the peer gets it only once every byte of the write landed, and never for a write that stopped."""
 
 
 class DataPlane(Protocol):
@@ -124,7 +130,7 @@ class ControlPlane(Protocol):
 
     async def start(self) -> str: ...
 
-    def send(self, endpoint: str, msg: Message, transient: bool = False) -> None: ...
+    def send(self, endpoint: str, msg: Message | SglangMessage, transient: bool = False) -> None: ...
 
     def forget(self, endpoint: str) -> None: ...
 

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -85,11 +86,14 @@ class _Peer:
 class ControlChannel:
     """Receives control messages on one bound PULL socket and sends to peers' endpoints, in order."""
 
-    def __init__(self, host: str, on_message: Callable[[Message], None],
+    def __init__(self, host: str, on_message: Callable[[Any], None],
                  on_version_mismatch: Callable[[VersionMismatch], None] | None = None,
                  send_timeout_s: float = 5.0, auth: Authenticator | None = None, loopback_only: bool = False,
-                 on_refused: Callable[[Message, str], None] | None = None) -> None:
+                 on_refused: Callable[[Message, str], None] | None = None,
+                 codec: tuple[Callable[[list[bytes]], Any], Callable[[Any], list[bytes]]] = (decode, encode)) -> None:
         self._host = host
+        self._decode, self._encode = codec
+        """Frames to a message and back: asynckv's own wire, or another one (SGLang's)."""
         self._on_message = on_message
         self._on_version_mismatch = on_version_mismatch
         self._send_timeout_s = send_timeout_s
@@ -184,7 +188,7 @@ class ControlChannel:
                 self._rl.warning("auth", "control: refused message: %s", exc)
                 return
         try:
-            msg = decode(frames)
+            msg = self._decode(frames)
         except VersionMismatch as exc:
             self.dropped["version"] += 1
             self._rl.warning("version", "control: dropped message: %s", exc)
@@ -212,7 +216,7 @@ class ControlChannel:
         if self._on_refused is None:
             return
         try:
-            msg = decode(frames)
+            msg = self._decode(frames)
         except Exception:
             return
         try:
@@ -222,12 +226,12 @@ class ControlChannel:
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, endpoint: str, msg: Message, transient: bool = False) -> None:
+    def send(self, endpoint: str, msg: Any, transient: bool = False) -> None:
         """Queue ``msg`` for ``endpoint`` behind everything queued for it before; never blocks.
         ``transient``: a reply to an endpoint nobody vouched for (see ``_send_transient``)."""
         if self._closed or self._ctx is None:
             return
-        frames = encode(msg)
+        frames = self._encode(msg)
         if self._auth is not None:
             frames = self._auth.seal(frames, endpoint, time.time_ns())
         if transient and endpoint not in self._peers:

@@ -39,7 +39,6 @@ the agent is kept alive until the process exits rather than torn down under them
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import queue
 import threading
@@ -51,8 +50,8 @@ import numpy as np
 
 from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError, TransferTimeout, TransportError
 from ..proto.topology import check_metadata_name
-from .agent import nixl_agent
-from .base import U64, DescPiece, MemoryLayout, PreppedPiece, Settled
+from .agent import keep_until_exit, nixl_agent
+from .base import U64, DescPiece, MemoryLayout, Notified, PreppedPiece, Settled
 from .commands import Cancel, Command, Forget, PostCmd, map_nixl_error
 
 __all__ = ["NixlEngine"]
@@ -62,8 +61,6 @@ log = logging.getLogger("asynckv.nixl")
 SETTLE_AT_CLOSE_S = 0.1
 """How long close drives the UCX worker so that parked transfers can complete before teardown."""
 _MIN_IDLE_WAIT_S = 20e-6
-_KEPT_UNTIL_EXIT: list[Any] = []
-"""Agents closed with transfers still in flight: never destroyed (see the module docstring)."""
 _MAX_BUSY_WAIT_S = 250e-6
 
 
@@ -83,6 +80,7 @@ class NixlEngine:
         """True while peers may write to us (decode rooms waiting): keep the target progressing every
         ``idle_poll_s``; otherwise back off to ``deep_idle_s`` (our own commands wake us)."""
         self.on_settled: Settled = lambda batch: None
+        self.on_notified: Notified | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -220,7 +218,7 @@ class NixlEngine:
             log.warning("data plane %s: %d transfers still in flight to stopped peers at close; keeping the "
                         "NIXL agent (and its memory registrations) until the process exits", self.name,
                         len(self._parked))
-            _keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles))
+            keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles))
             self._reg_handles = []
             self._deliver(done)
             return
@@ -267,9 +265,12 @@ class NixlEngine:
             if self._parked:
                 self._poll_parked()
             try:
-                agent.get_new_notifs()  # drives UCX progress: there is no progress thread
+                notifs = agent.get_new_notifs()  # drives UCX progress: there is no progress thread
             except Exception:
                 log.debug("get_new_notifs failed", exc_info=True)
+            else:
+                if notifs and self.on_notified is not None:
+                    self._notify(notifs)
             self.posts_in_flight = len(self._in_flight)
             self.rounds += 1
             if done:
@@ -322,8 +323,9 @@ class NixlEngine:
                 return
             piece = pieces[post.next_piece]
             post.next_piece += 1
+            notif = post.write.notif if post.next_piece == len(pieces) else b""
             try:
-                handle = self._handle(post.peer, piece)
+                handle = self._handle(post.peer, piece, notif)
             except BaseException as exc:
                 post.stop = map_nixl_error(exc, f"post {post.post_id}")
                 return
@@ -339,15 +341,16 @@ class NixlEngine:
                 post.handle = handle
             now = time.monotonic()
 
-    def _handle(self, peer: str, piece: PreppedPiece | DescPiece) -> Any:
+    def _handle(self, peer: str, piece: PreppedPiece | DescPiece, notif: bytes = b"") -> Any:
         agent = self._agent
         if isinstance(piece, PreppedPiece):
             remote = self._remote.get(peer)
             if self._local_dlist is None or remote is None:
                 raise TransportError(f"no prepared dlists for {peer[:8]}")
-            return agent.make_prepped_xfer("WRITE", self._local_dlist, piece.src_idx, remote, piece.dst_idx)
+            return agent.make_prepped_xfer("WRITE", self._local_dlist, piece.src_idx, remote, piece.dst_idx,
+                                           notif_msg=notif)
         return agent.initialize_xfer("WRITE", agent.get_xfer_descs(piece.src, piece.src_kind),
-                                     agent.get_xfer_descs(piece.dst, piece.dst_kind), peer)
+                                     agent.get_xfer_descs(piece.dst, piece.dst_kind), peer, notif_msg=notif)
 
     def _apply_cancel(self, cmd: Cancel, done: list[Any]) -> None:
         in_flight = {post.post_id for post in self._in_flight}
@@ -401,6 +404,12 @@ class NixlEngine:
         self._cancelled.pop(post.post_id, None)
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
 
+    def _notify(self, notifs: dict[str, list[bytes]]) -> None:
+        loop, target = self._loop, self.on_notified
+        if loop is not None and target is not None:
+            batch = [(str(agent), bytes(msg)) for agent, msgs in notifs.items() for msg in msgs]
+            loop.call_soon_threadsafe(target, batch)
+
     def _deliver(self, done: list[Any]) -> None:
         loop = self._loop
         if loop is not None and done:
@@ -418,10 +427,3 @@ class NixlEngine:
                     fut.set_result(value)
         if settled:
             self.on_settled(settled)
-
-
-def _keep_until_exit(obj: Any) -> None:
-    """Hold ``obj`` past interpreter shutdown: its destructor never runs (the OS reclaims it at exit)."""
-    if not _KEPT_UNTIL_EXIT:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_UNTIL_EXIT))  # survives module teardown too
-    _KEPT_UNTIL_EXIT.append(obj)

@@ -15,12 +15,20 @@ is the caller's (so the caller receives exactly what SGLang's decode sends), the
 decode receiver for one room. Prints one JSON line with what it sent.
 
 Role ``prefill-send``: SGLang's prefill for one room (prints its endpoints first, then waits for
-the caller's registration and destination, sends the pages in chunks, and waits for DONE).
+the caller's registration and destination, sends the pages in chunks, and waits for DONE). With
+chunk 0 it never sends: it holds the room until it is killed.
+
+Role ``decode-recv``: SGLang's decode for one room, from the prefill at ``bootstrap``; polls until
+Success or Failed (at most ``SECONDS``) and prints the outcome, how long it took, and its whole
+KV and aux memory (hex) for the caller to check byte for byte. ``state`` sends state indices too.
 
     python sglang_peer.py decode-send <capture port> <room> <pages,comma,separated> <aux index> [bootstrap]
-    python sglang_peer.py prefill-send <room> <source pages> <chunk pages> <source aux index> [bootstrap]
+    python sglang_peer.py prefill-send <room> <source pages> <chunk pages> <source aux index> <mha|mla> [bootstrap]
+    python sglang_peer.py decode-recv <bootstrap> <room> <destination pages> <aux index> <mha|mla> [state]
 
-Without ``bootstrap`` (host:port) the role starts SGLang's own bootstrap server.
+Without ``bootstrap`` (host:port) a role starts SGLang's own bootstrap server. Geometry: 16 pages of
+``ITEM`` bytes per KV buffer, ``2 * LAYERS`` buffers (MHA) or ``LAYERS`` (MLA), 10 aux buffers of
+8 rows x 64 bytes; ``page_size`` 4 and ``kv_cache_dtype`` "auto".
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ import time
 import types
 from typing import Any
 
-PAGE_SIZE, LAYERS, ITEM = 4, 2, 256
+PAGE_SIZE, LAYERS, ITEM, PAGES = 4, 2, 256, 16
+SECONDS = 60.0
 
 
 class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -179,30 +188,33 @@ def pattern(buffer: int, page: int) -> int:
     return (buffer * 31 + page * 7 + 1) % 251
 
 
-def prefill_send(room: int, pages: list[int], chunk: int, aux_index: int, boot: str) -> dict[str, Any]:
+def prefill_send(room: int, pages: list[int], chunk: int, aux_index: int, mla: bool, boot: str) -> dict[str, Any]:
     """SGLang's prefill for one room: prints its bootstrap address and ZMQ endpoint, waits for the
     room's destination, sends ``pages`` in chunks of ``chunk`` (the last one may be shorter) and the
-    aux row, and waits until every NIXL handle is DONE."""
+    aux row, and waits until every NIXL handle is DONE (chunk 0: holds the room, never sends)."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVSender
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     addr, boot_port = bootstrap(boot)
-    buffers = [np.zeros((16, ITEM), dtype=np.uint8) for _ in range(2 * LAYERS)]
+    buffers = [np.zeros((PAGES, ITEM), dtype=np.uint8) for _ in range(LAYERS if mla else 2 * LAYERS)]
     for b, buf in enumerate(buffers):
-        for page in range(16):
+        for page in range(PAGES):
             buf[page] = pattern(b, page)
     aux = [np.full((8, 64), 100 + i, dtype=np.uint8) for i in range(10)]
     args = kv_args(buffers, aux)
-    mgr = NixlKVManager(args, DisaggregationMode.PREFILL, server_args(boot_port), False)
+    mgr = NixlKVManager(args, DisaggregationMode.PREFILL, server_args(boot_port), mla)
     print(json.dumps({"bootstrap": addr, "endpoint": f"tcp://{mgr.local_ip}:{mgr.rank_port}"}), flush=True)
     sender = NixlKVSender(mgr, addr, room, [0], 0)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + SECONDS
     while sender.poll() != KVPoll.WaitingForInput:
         if time.monotonic() > deadline:
-            raise SystemExit("no destination within 60 s")
+            raise SystemExit(f"no destination within {SECONDS} s")
         time.sleep(0.01)
+    if chunk == 0:
+        print(json.dumps({"holding": room}), flush=True)
+        time.sleep(3600)
     sender.init(len(pages), aux_index)
     for start in range(0, len(pages), chunk):
         sender.send(np.array(pages[start:start + chunk], dtype=np.int32))
@@ -211,6 +223,40 @@ def prefill_send(room: int, pages: list[int], chunk: int, aux_index: int, boot: 
             raise SystemExit(f"transfer not done within 60 s ({state})")
         time.sleep(0.01)
     return {"done": True, "chunks": sender.chunk_id}
+
+
+def decode_recv(boot: str, room: int, pages: list[int], aux_index: int, mla: bool, state: bool) -> dict[str, Any]:
+    """SGLang's decode for one room from the prefill at ``boot``: the outcome, and its memory."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    buffers = [np.zeros((PAGES, ITEM), dtype=np.uint8) for _ in range(LAYERS if mla else 2 * LAYERS)]
+    aux = [np.zeros((8, 64), dtype=np.uint8) for _ in range(10)]
+    args = kv_args(buffers, aux)
+    mgr = NixlKVManager(args, DisaggregationMode.DECODE, server_args(int(boot.rpartition(":")[2])), mla)
+    started = time.monotonic()
+    deadline = started + SECONDS
+    try:
+        while not mgr.try_ensure_parallel_info(boot):
+            if time.monotonic() > deadline:
+                return {"outcome": "no parallel info", "seconds": time.monotonic() - started}
+            time.sleep(0.05)
+    except RuntimeError as exc:  # SGLang refuses a prefill whose page_size or kv_cache_dtype differ
+        return {"outcome": "refused", "error": str(exc)}
+    receiver = NixlKVReceiver(mgr, boot, room)
+    receiver.init(0)
+    receiver.send_metadata(np.array(pages, dtype=np.int32), aux_index, [0] if state else None)
+    print(json.dumps({"sent": room, "agent": mgr.agent.name}), flush=True)
+    started = time.monotonic()
+    while (outcome := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
+        if time.monotonic() > started + SECONDS:
+            break
+        time.sleep(0.01)
+    names = {KVPoll.Success: "Success", KVPoll.Failed: "Failed"}  # (SGLang's KVPoll is a class of ints)
+    return {"outcome": names.get(outcome, str(outcome)), "seconds": time.monotonic() - started,
+            "kv": [b.tobytes().hex() for b in buffers], "aux": [a.tobytes().hex() for a in aux]}
 
 
 def main() -> None:
@@ -223,8 +269,13 @@ def main() -> None:
         print(json.dumps(decode_send(int(sys.argv[2]), int(sys.argv[3]), pages, int(sys.argv[5]), boot)), flush=True)
     elif role == "prefill-send":
         pages = [int(p) for p in sys.argv[3].split(",")]
-        boot = sys.argv[6] if len(sys.argv) > 6 else ""
-        print(json.dumps(prefill_send(int(sys.argv[2]), pages, int(sys.argv[4]), int(sys.argv[5]), boot)), flush=True)
+        boot = sys.argv[7] if len(sys.argv) > 7 else ""
+        print(json.dumps(prefill_send(int(sys.argv[2]), pages, int(sys.argv[4]), int(sys.argv[5]),
+                                      sys.argv[6] == "mla", boot)), flush=True)
+    elif role == "decode-recv":
+        pages = [int(p) for p in sys.argv[4].split(",")]
+        print(json.dumps(decode_recv(sys.argv[2], int(sys.argv[3]), pages, int(sys.argv[5]), sys.argv[6] == "mla",
+                                     sys.argv[7:8] == ["state"])), flush=True)
     else:
         raise SystemExit(f"unknown role {role!r}")
     os._exit(0)  # SGLang's reader threads are not daemons

@@ -123,7 +123,7 @@ async def _prefill_room(sglang_python: pathlib.Path, boot: str) -> None:
         agent.register_memory([(int(a.ctypes.data), int(a.nbytes), 0, "") for a in arrays], "DRAM")
     proc = await asyncio.create_subprocess_exec(
         str(sglang_python), str(PEER), "prefill-send", str(room), ",".join(map(str, src)), str(chunk), str(src_aux),
-        boot, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        "mha", boot, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     ctx = zmq.asyncio.Context()
     push = ctx.socket(zmq.PUSH)
     try:

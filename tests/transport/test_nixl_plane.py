@@ -68,7 +68,7 @@ class FakeAgent:
     def remove_remote_agent(self, name: str) -> None:
         self.calls.append(("remove_remote_agent", name))
 
-    def make_prepped_xfer(self, op: str, local: int, src: Any, remote: int, dst: Any) -> int:
+    def make_prepped_xfer(self, op: str, local: int, src: Any, remote: int, dst: Any, notif_msg: bytes = b"") -> int:
         self._use("make_prepped_xfer", local)
         self._use("make_prepped_xfer", remote)
         return self._new("make_prepped_xfer")
@@ -76,7 +76,7 @@ class FakeAgent:
     def get_xfer_descs(self, rows: Any, kind: str) -> Any:
         return rows
 
-    def initialize_xfer(self, op: str, src: Any, dst: Any, peer: str) -> int:
+    def initialize_xfer(self, op: str, src: Any, dst: Any, peer: str, notif_msg: bytes = b"") -> int:
         return self._new("initialize_xfer")
 
     def transfer(self, h: int) -> str:
@@ -167,7 +167,7 @@ async def test_closing_with_writes_that_complete_meanwhile_releases_everything_i
 
 
 async def test_closing_with_a_peer_stopped_for_good_keeps_the_agent_instead_of_tearing_it_down() -> None:
-    from asynckv.transport import nixl_engine
+    from asynckv.transport import agent as agent_module
 
     agent = FakeAgent()
     plane, settled = await started(agent)
@@ -177,7 +177,7 @@ async def test_closing_with_a_peer_stopped_for_good_keeps_the_agent_instead_of_t
     assert settled == [(1, settled[0][1])] and "closed" in str(settled[0][1])
     names = [c[0] for c in agent.calls]
     assert "release_xfer_handle" not in names and "deregister_memory" not in names
-    assert any(kept[0] is agent for kept in nixl_engine._KEPT_UNTIL_EXIT)
+    assert any(kept[0] is agent for kept in agent_module._KEPT_UNTIL_EXIT)
 
 
 async def test_a_cancelled_write_never_starts_and_a_lapsed_lease_stops_one_in_flight() -> None:
