@@ -23,8 +23,8 @@ import pytest
 from asynckv import Config, KVManager, KVPoll, LayoutMismatch, Mode, PeerUnreachable
 from asynckv.testing import KVPool, fill_aux, fill_pages
 
+from .conftest import PEER
 from .sglang_peer import ITEM, LAYERS, PAGES, pattern
-from .test_sglang_wire_live import PEER, sglang_python  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import pathlib
 from collections.abc import AsyncIterator
 
@@ -21,19 +20,11 @@ from asynckv.proto.sglang import SglangRegister, SglangTransferInfo, decode_fram
 from asynckv.proto.topology import metadata_agent_name
 from asynckv.service.sglang_bootstrap import SglangBootstrapServer
 
+from .conftest import PEER
+
 pytestmark = pytest.mark.integration
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-VENV = pathlib.Path(os.environ.get("ASYNCKV_SGLANG_VENV", ROOT / ".cache" / "sglang-0.5.10"))
-PEER = pathlib.Path(__file__).with_name("sglang_peer.py")
 PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
-
-
-@pytest.fixture
-def sglang_python() -> pathlib.Path:
-    if not (VENV / ".asynckv-sglang-0.5.10-ready").exists():
-        pytest.skip(f"no SGLang 0.5.10 venv at {VENV} (bash scripts/sglang-venv.sh builds it)")
-    return VENV / "bin" / "python"
 
 
 @contextlib.asynccontextmanager
