@@ -1,5 +1,5 @@
 """SGLang 0.5.10's NIXL-connector wire format, sans-IO: its ZMQ frames, its notification strings
-and its completion rule (the first pieces of the second wire; see docs/protocol.md, section 11).
+and its completion rule (the second wire; see docs/protocol.md, section 10, and docs/interop.md).
 
 Decode → prefill ZMQ messages start with the guard frame ``b"NixlMsgGuard"``; every text frame
 is the ASCII ``str()`` of its value:

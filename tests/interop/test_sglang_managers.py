@@ -108,6 +108,7 @@ async def test_a_killed_sglang_prefill_fails_the_room_within_the_heartbeat_bound
             killed = time.monotonic()
             assert await receiver.wait(30) == KVPoll.Failed
             took = time.monotonic() - killed
+            print(f"killed SGLang prefill: room failed {took:.2f}s after the kill")
             assert isinstance(receiver.failure_exception(), PeerUnreachable), receiver.failure_reason
             assert "health checks" in (receiver.failure_reason or "")
             assert took < interval * (failures + 1) + 1.5, took
@@ -182,6 +183,7 @@ async def test_a_killed_asynckv_prefill_fails_the_sglang_decode_by_its_own_heart
             result = await line(decode, 60)
     assert result["outcome"] == "Failed", result
     assert result["seconds"] < 15, result
+    print(f"killed asynckv prefill: SGLang decode failed the room {result['seconds']:.2f}s after its metadata went")
 
 
 async def test_a_stock_sglang_decode_refuses_a_mismatched_asynckv_prefill(sglang_python: pathlib.Path) -> None:
