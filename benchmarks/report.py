@@ -65,6 +65,15 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
         for r in hs["rows"]:
             lines.append(f"| head-slice kernel {r['pages']} pages | {r['numpy_ms']:.1f} ms | per-token Python "
                          f"{r['python_ms']:.0f} ms | {r['speedup']:.0f}x | |")
+    sg = _load(out, "sglang_side_by_side")
+    if sg and not sg.get("skipped"):
+        for r in sg["rows"]:
+            s, a = r["sglang"], r["asynckv"]
+            lines.append(f"| reference workload: {r['workload']} | {a['gbps']:.2f} GB/s, {a['rps']:.0f} req/s, decode "
+                         f"p50 {a['p50_ms']:.0f} ms, {a['cpu_s_per_gb']:.2f} CPU s/GB | SGLang 0.5.10's connector: "
+                         f"{s['gbps']:.2f} GB/s, {s['rps']:.0f} req/s, p50 {s['p50_ms']:.0f} ms, "
+                         f"{s['cpu_s_per_gb']:.2f} CPU s/GB | {r['gbps_ratio']:.2f}x GB/s, p50 "
+                         f"x{r['p50_fraction']:.2f}, CPU/GB x{r['cpu_per_gb_fraction']:.2f} | >= 2x GB/s |")
     sw = _load(out, "seed_workload")
     if sw:
         for r in sw["rows"]:

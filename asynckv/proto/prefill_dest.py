@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RemoteProtocolError
 from .actions import RoomReady
@@ -70,7 +70,7 @@ class DestinationRules(Core):
         """Per peer with a check in flight: its later messages (with the bytes each reserved), in order."""
         self._check_ids = itertools.count(1)
 
-    def receive(self, msg: Message, now: float) -> None:
+    def receive(self, msg: Any, now: float) -> None:
         """A decoded control message; one from a peer whose destination is being checked waits for it."""
         held = self._held.get(sender_of(msg) or "")
         if held is None:

@@ -30,7 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import RemoteProtocolError
-from .messages import MAX_ROOM
+from .messages import MAX_ROOM, Register
+from .wire_limits import MAX_FRAME_BYTES
 
 __all__ = [
     "GUARD",
@@ -76,6 +77,13 @@ def _int(frames: list[bytes], i: int, field: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise RemoteProtocolError(f"sglang {field}: {value} not in [{low}, {high}]")
     return value
+
+
+def _metadata(frame: bytes) -> bytes:
+    cap = MAX_FRAME_BYTES[Register.TYPE]  # (a registration waiting to connect keeps it)
+    if len(frame) > cap:
+        raise RemoteProtocolError(f"sglang agent metadata: {len(frame)} bytes, at most {cap}")
+    return bytes(frame)
 
 
 def _ptrs(frames: list[bytes], i: int, field: str) -> tuple[int, ...]:
@@ -165,7 +173,7 @@ def decode_frames(frames: list[bytes]) -> SglangMessage:
     if len(frames) == 13 and bytes(frames[1]) == b"None":
         return SglangRegister(
             ip=_text(frames, 2, "decode ip"), port=_int(frames, 3, "decode port", 1, 65535),
-            agent_name=_text(frames, 4, "agent name"), agent_metadata=bytes(frames[5]),
+            agent_name=_text(frames, 4, "agent name"), agent_metadata=_metadata(frames[5]),
             kv_ptrs=_ptrs(frames, 6, "kv pointers"), aux_ptrs=_ptrs(frames, 7, "aux pointers"),
             state_ptrs=_ptrs(frames, 8, "state pointers"), gpu_id=_int(frames, 9, "gpu_id", 0, 1 << 16),
             tp_size=_int(frames, 10, "decode tp size", 1, 1 << 16),

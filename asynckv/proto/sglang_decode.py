@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -139,9 +140,12 @@ class SglangDecodeCore(Core):
         self.fetching: dict[str, list[ReceiverRoom]] = {}
         self.registered: set[str] = set()
         """Prefill endpoints this rank's registration went to."""
-        self.failures: dict[str, int] = {}
-        """Health checks failed in a row, by bootstrap address."""
+        self.failures: dict[str, tuple[int, float]] = {}
+        """Health checks failed in a row (with no pause in the checks), and when the last one failed,
+        by bootstrap address."""
         self.checking: set[str] = set()
+        self._check_timeout_s = min(config.http_timeout_s, 2 * config.heartbeat_interval_s)
+        """A health check unanswered this long failed (a stopped prefill does not refuse, it hangs)."""
         self._epochs = itertools.count(1)
 
     # -- the surface the pump drives -------------------------------------------------------
@@ -156,12 +160,13 @@ class SglangDecodeCore(Core):
                 self.fail(room, WaitingTimeout(
                     f"room {room.room}: no result from SGLang prefill {room.addr} after "
                     f"{self.config.waiting_timeout_s:.1f}s in {room.poll().name}"), now)
-        if self._watched() and now >= self._next_beat:
+        watched = self._watched()
+        if watched and now >= self._next_beat:
             self._next_beat = now + self.config.heartbeat_interval_s
-            for addr in self._watched():
+            for addr in watched:
                 if addr not in self.checking:
                     self.checking.add(addr)
-                    self._emit(CheckHealth(addr, min(self.config.http_timeout_s, 2 * self.config.heartbeat_interval_s)))
+                    self._emit(CheckHealth(addr, self._check_timeout_s))
 
     def _watched(self) -> set[str]:
         """Bootstrap addresses of prefills that may be writing a room (their health is checked)."""
@@ -173,7 +178,12 @@ class SglangDecodeCore(Core):
         if error is None:
             self.failures.pop(addr, None)
             return
-        failed = self.failures[addr] = self.failures.get(addr, 0) + 1
+        failed, last = self.failures.get(addr, (0, -math.inf))
+        if now - last > self._check_timeout_s + 2 * self.config.heartbeat_interval_s:  # checks paused meanwhile
+            # (no room waited): "in a row" starts again
+            failed = 0
+        failed += 1
+        self.failures[addr] = (failed, now)
         if failed < self.config.heartbeat_max_failures:
             return
         del self.failures[addr]
@@ -282,10 +292,9 @@ class SglangDecodeCore(Core):
         if instance is not None:
             self._send(room, instance, now)
             return
-        waiting = self.fetching.setdefault(room.addr, [])
-        waiting.append(room)
-        if len(waiting) == 1:
+        if room.addr not in self.fetching:  # (one look-up in flight per address)
             self._emit(FetchTopology(room.addr))
+        self.fetching.setdefault(room.addr, []).append(room)
 
     def abort_receiver(self, room: ReceiverRoom, error: BaseException, now: float) -> None:
         self.fail(room, error, now)
@@ -357,6 +366,6 @@ class SglangDecodeCore(Core):
         for room in self.rooms.values():
             by_state[room.poll().name] = by_state.get(room.poll().name, 0) + 1
         peers = [{"peer": addr, "endpoints": sorted(p.endpoints.values()),
-                  "health_failures": self.failures.get(addr, 0)} for addr, p in self.instances.items()]
+                  "health_failures": self.failures.get(addr, (0, 0.0))[0]} for addr, p in self.instances.items()]
         return {"mode": "decode", "wire": "sglang-0.5.10", "name": self.name, "rooms": by_state, "peers": peers,
                 "tables": self.room_counts()}

@@ -9,10 +9,14 @@ What differs, because a stock SGLang decode cannot take part:
 - it never hears from prefill over ZMQ: registration results, statuses and goodbyes are not
   sent (a refused registration or a failed room is logged and counted instead; that decode
   learns of it only from its own waiting timeout);
-- completion travels as NIXL notifications on the writes themselves: each KV write carries
-  ``{room}_kv_{chunk}_{is_last}_{pp}``, the aux write ``{room}_aux``. A notification is sent
-  only once every byte of its write landed, and never for a cancelled write, so a room that
-  fails here is never completed there;
+- completion travels as NIXL notifications: each KV write is followed by
+  ``{room}_kv_{chunk}_{is_last}_{pp}``, the aux write by ``{room}_aux`` (``Post.notif``). The
+  data plane sends one only once every byte of its write landed, and never for a write that
+  stopped (cancelled, lease, deadline), so a room that fails here before its last write
+  completed is never completed there;
+- SGLang's decode registers once: a peer dropped on a NIXL error is connected anew from its
+  kept registration when it sends another transfer info (a false death must not refuse it for
+  good);
 - no heartbeat and no write lease: SGLang's decode answers no pings (it checks prefill's
   ``GET /health`` instead), so its writes are bounded by their deadlines and NIXL's errors;
 - its registration does not say the pool size, memory kind or page geometry: the pool is
@@ -27,6 +31,7 @@ chunks (SGLang's decode counts one notification per chunk).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from typing import Any
@@ -49,6 +54,8 @@ log = logging.getLogger("asynckv.prefill")
 
 SESSION = 1
 """SGLang has no registration sessions: a decode that restarts comes back under a new agent name."""
+KEPT_REGISTRATIONS = 256
+"""Registrations kept to connect a dropped decode anew (each holds its NIXL metadata, ~50 KB)."""
 MAX_HELD = 1024
 """Destinations kept per decode peer while it connects."""
 STATE_REFUSED = "state indices: hybrid-model state (mamba/SWA/NSA) is not supported on the SGLang wire"
@@ -60,7 +67,12 @@ class SglangPrefillCore(PrefillCore):
     def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config) -> None:
         super().__init__(name, endpoint, kv_args, config)
         self._handlers.update({SglangRegister: self._on_sglang_register, SglangTransferInfo: self._on_sglang_info})
+        self._registrations: collections.OrderedDict[str, SglangRegister] = collections.OrderedDict()
+        """Registrations of decodes that connected (the most recent ``KEPT_REGISTRATIONS``): SGLang's
+        decode registers once, so a peer dropped on a NIXL error that sends again is connected anew
+        from this (one false death must not wedge the pair until that decode restarts)."""
         self._connecting_infos: dict[str, list[tuple[TransferInfo, str | None]]] = {}
+        self._held_bytes = 0
         """Destinations of decode peers still connecting (SGLang's decode does not wait for an answer to
         its registration: its first transfer info follows at once), replayed once they connected."""
 
@@ -70,6 +82,7 @@ class SglangPrefillCore(PrefillCore):
         if msg.agent_name in self.peers:  # SGLang registers once per prefill rank and agent
             self._drop("duplicate", f"sglang decode {msg.agent_name[:8]} registered again")
             return
+        self._registrations.pop(msg.agent_name, None)
         try:
             reg = self._as_register(msg)
         except LayoutMismatch as exc:
@@ -78,6 +91,10 @@ class SglangPrefillCore(PrefillCore):
                         "wait for its own timeout)", msg.agent_name[:8], msg.endpoint, exc)
             return
         self._on_register(reg, now)
+        if msg.agent_name in self.peers:  # accepted (a refused one is not retried)
+            self._registrations[msg.agent_name] = msg
+            while len(self._registrations) > KEPT_REGISTRATIONS:
+                self._registrations.popitem(last=False)
 
     def _as_register(self, msg: SglangRegister) -> Register:
         a = self.kv_args
@@ -108,23 +125,35 @@ class SglangPrefillCore(PrefillCore):
         refused = STATE_REFUSED if msg.state_indices.size else None
         if msg.aux_index < 0 and not msg.is_dummy:
             refused = "aux index -1: on the SGLang wire every room carries its metadata row"
+        kept = self._registrations.get(info.decode_id)
+        if info.decode_id not in self.peers and kept is not None and not self.closing:
+            log.info("SGLang decode %s was dropped and sends again: connecting it anew", info.decode_id[:8])
+            self.stats["sglang_reconnects"] += 1
+            self._on_sglang_register(kept, now)
         peer = self.peers.get(info.decode_id)
         if peer is not None and peer.phase is PeerPhase.CONNECTING:
             held = self._connecting_infos.setdefault(peer.name, [])
-            if len(held) < MAX_HELD:
+            nbytes = info.dst_pages.nbytes + info.dst_state_indices.nbytes
+            if len(held) < MAX_HELD and self._held_bytes + nbytes <= self.config.max_early_bytes:
                 held.append((info, refused))
+                self._held_bytes += nbytes
             else:
-                self._drop("held", f"room {info.room}: {MAX_HELD} destinations of {peer.name[:8]} wait already")
+                self._drop("held", f"room {info.room}: {len(held)} destinations of {peer.name[:8]} wait already "
+                                   f"({self._held_bytes} bytes held, max_early_bytes {self.config.max_early_bytes})")
             return
         self._on_transfer_info(info, now, refused)
 
     def peer_connected(self, peer: DecodePeer, error: BaseException | None, now: float) -> None:
         super().peer_connected(peer, error, now)
         held = self._connecting_infos.pop(peer.name, [])
+        self._held_bytes -= sum(info.dst_pages.nbytes + info.dst_state_indices.nbytes for info, _ in held)
         if peer.phase is PeerPhase.CONNECTED and self.peers.get(peer.name) is peer:
             for info, refused in held:
                 self._on_transfer_info(info, now, refused)
-        elif held:
+            return
+        if error is not None:  # (a registration that cannot connect is not retried)
+            self._registrations.pop(peer.name, None)
+        if held:
             self._drop("held", f"{len(held)} destinations of {peer.name[:8]}, which did not connect")
 
     # -- what differs from asynckv's wire ----------------------------------------------------

@@ -78,8 +78,10 @@ class Write:
     descriptors: int
     nbytes: int
     notif: bytes = b""
-    """A NIXL notification sent with the last handle (SGLang's wire completes rooms with them):
-    the peer gets it only once every byte of the write landed, and never for a write that stopped."""
+    """A NIXL notification sent once every handle of the write completed (SGLang's wire completes
+    rooms with them): never for a write that stopped (cancelled, lease, deadline), even when its
+    last handle still lands. (Attached to a handle, NIXL would send it with that handle whatever
+    happened to the write meanwhile.)"""
 
 
 class DataPlane(Protocol):

@@ -323,9 +323,8 @@ class NixlEngine:
                 return
             piece = pieces[post.next_piece]
             post.next_piece += 1
-            notif = post.write.notif if post.next_piece == len(pieces) else b""
             try:
-                handle = self._handle(post.peer, piece, notif)
+                handle = self._handle(post.peer, piece)
             except BaseException as exc:
                 post.stop = map_nixl_error(exc, f"post {post.post_id}")
                 return
@@ -341,16 +340,15 @@ class NixlEngine:
                 post.handle = handle
             now = time.monotonic()
 
-    def _handle(self, peer: str, piece: PreppedPiece | DescPiece, notif: bytes = b"") -> Any:
+    def _handle(self, peer: str, piece: PreppedPiece | DescPiece) -> Any:
         agent = self._agent
         if isinstance(piece, PreppedPiece):
             remote = self._remote.get(peer)
             if self._local_dlist is None or remote is None:
                 raise TransportError(f"no prepared dlists for {peer[:8]}")
-            return agent.make_prepped_xfer("WRITE", self._local_dlist, piece.src_idx, remote, piece.dst_idx,
-                                           notif_msg=notif)
+            return agent.make_prepped_xfer("WRITE", self._local_dlist, piece.src_idx, remote, piece.dst_idx)
         return agent.initialize_xfer("WRITE", agent.get_xfer_descs(piece.src, piece.src_kind),
-                                     agent.get_xfer_descs(piece.dst, piece.dst_kind), peer, notif_msg=notif)
+                                     agent.get_xfer_descs(piece.dst, piece.dst_kind), peer)
 
     def _apply_cancel(self, cmd: Cancel, done: list[Any]) -> None:
         in_flight = {post.post_id for post in self._in_flight}
@@ -401,6 +399,11 @@ class NixlEngine:
         if post.handle is not None:
             self._parked.append((post.peer, post.handle))
             post.handle = None
+        elif error is None and post.write.notif:  # every byte landed: now (never for a write that stopped)
+            try:
+                self._agent.send_notif(post.peer, post.write.notif)
+            except BaseException as exc:
+                error = map_nixl_error(exc, f"post {post.post_id}: notification")
         self._cancelled.pop(post.post_id, None)
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
 

@@ -25,6 +25,12 @@ KV and aux memory (hex) for the caller to check byte for byte. ``state`` sends s
     python sglang_peer.py decode-send <capture port> <room> <pages,comma,separated> <aux index> [bootstrap]
     python sglang_peer.py prefill-send <room> <source pages> <chunk pages> <source aux index> <mha|mla> [bootstrap]
     python sglang_peer.py decode-recv <bootstrap> <room> <destination pages> <aux index> <mha|mla> [state]
+    python sglang_peer.py bench-prefill <spec json>
+    python sglang_peer.py bench-decode <bootstrap> <spec json file>
+
+Roles ``bench-prefill`` and ``bench-decode`` run SGLang's connector on a benchmark workload
+(``benchmarks/bench_sglang.py``), driven the way its schedulers drive it: a loop that polls every
+live sender or receiver.
 
 Without ``bootstrap`` (host:port) a role starts SGLang's own bootstrap server. Geometry: 16 pages of
 ``ITEM`` bytes per KV buffer, ``2 * LAYERS`` buffers (MHA) or ``LAYERS`` (MLA), 10 aux buffers of
@@ -38,6 +44,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import pathlib
 import socket
 import sys
 import time
@@ -104,7 +111,7 @@ def install_shims() -> None:
     common.get_pp_group = lambda: None
 
 
-def server_args(port: int) -> types.SimpleNamespace:  # S4
+def server_args(port: int, page_size: int = PAGE_SIZE) -> types.SimpleNamespace:  # S4
     from sglang.srt.server_args import ServerArgs
 
     values = {}
@@ -115,7 +122,7 @@ def server_args(port: int) -> types.SimpleNamespace:  # S4
             values[f.name] = f.default_factory()
         else:
             values[f.name] = None
-    values.update(host="127.0.0.1", disaggregation_bootstrap_port=port, page_size=PAGE_SIZE,
+    values.update(host="127.0.0.1", disaggregation_bootstrap_port=port, page_size=page_size,
                   load_balance_method="follow_bootstrap_room")
     return types.SimpleNamespace(**values)
 
@@ -128,7 +135,7 @@ def kv_args(buffers: list[Any], aux: list[Any]) -> Any:
     args.decode_tp_size, args.page_size, args.kv_head_num, args.total_kv_head_num = 1, PAGE_SIZE, 2, 2
     args.kv_data_ptrs = [int(b.ctypes.data) for b in buffers]
     args.kv_data_lens = [int(b.nbytes) for b in buffers]
-    args.kv_item_lens = [ITEM] * len(buffers)
+    args.kv_item_lens = [int(b.shape[1]) for b in buffers]
     args.aux_data_ptrs = [int(a.ctypes.data) for a in aux]
     args.aux_data_lens = [int(a.nbytes) for a in aux]
     args.aux_item_lens = [int(a.shape[1]) for a in aux]
@@ -259,6 +266,100 @@ def decode_recv(boot: str, room: int, pages: list[int], aux_index: int, mla: boo
             "kv": [b.tobytes().hex() for b in buffers], "aux": [a.tobytes().hex() for a in aux]}
 
 
+def bench_pools(spec: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """A benchmark's KV pool (``buffers`` x ``inflight * pages`` pages of ``item`` bytes, faulted in)
+    and its aux buffers (10 x ``inflight`` rows of 64 bytes): the geometry asynckv's side uses."""
+    import numpy as np
+
+    pages = spec["inflight"] * spec["pages"]
+    kv = [np.ones((pages, spec["item"]), dtype=np.uint8) for _ in range(spec["buffers"])]
+    return kv, [np.ones((spec["inflight"], 64), dtype=np.uint8) for _ in range(10)]
+
+
+def bench_prefill(spec: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's prefill serving rooms 1..requests the way its scheduler does: up to ``inflight``
+    senders at once, each polled every loop iteration; request k's source is slot k's contiguous pages,
+    sent as one chunk (``send()`` copies inside the call)."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVSender
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    addr, boot_port = bootstrap("")
+    kv, aux = bench_pools(spec)
+    page_size, pages, inflight = spec["page_size"], spec["pages"], spec["inflight"]
+    args = kv_args(kv, aux)
+    args.page_size = page_size
+    mgr = NixlKVManager(args, DisaggregationMode.PREFILL, server_args(boot_port, page_size), False)
+    print(json.dumps({"bootstrap": addr}), flush=True)
+    cpu0 = None  # (counted from the first destination: before it, this loop only waits for decode to start)
+    waiting = list(range(1, spec["requests"] + 1))
+    active: dict[int, tuple[Any, int, bool]] = {}  # room -> (sender, slot, sent)
+    free = list(range(inflight))
+    while waiting or active:
+        while waiting and free:
+            room = waiting.pop(0)
+            active[room] = (NixlKVSender(mgr, addr, room, [0], 0), free.pop(), False)
+        for room, (sender, slot, sent) in list(active.items()):
+            state = sender.poll()
+            if not sent and state == KVPoll.WaitingForInput:
+                cpu0 = cpu0 or os.times()
+                sender.init(pages, slot)
+                sender.send(np.arange(slot * pages, (slot + 1) * pages, dtype=np.int32))
+                active[room] = (sender, slot, True)
+            elif state in (KVPoll.Success, KVPoll.Failed):
+                if state == KVPoll.Failed:
+                    raise SystemExit(f"room {room} failed")
+                del active[room]
+                free.append(slot)
+        time.sleep(0)
+    cpu1 = os.times()
+    assert cpu0 is not None
+    return {"cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system}
+
+
+def bench_decode(boot: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's decode receiving rooms 1..requests with ``inflight`` in flight, polling every live
+    receiver each loop iteration (notifications are drained inside ``poll()``); slot k's destination
+    is ``spec["dst"][k]``. Latency: ``send_metadata`` to ``poll()`` == Success."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    kv, aux = bench_pools(spec)
+    args = kv_args(kv, aux)
+    args.page_size = spec["page_size"]
+    mgr = NixlKVManager(args, DisaggregationMode.DECODE, server_args(int(boot.rpartition(":")[2]),
+                                                                     spec["page_size"]), False)
+    while not mgr.try_ensure_parallel_info(boot):
+        time.sleep(0.05)
+    dst = [np.asarray(d, dtype=np.int32) for d in spec["dst"]]
+    cpu0, t0 = os.times(), time.perf_counter()
+    waiting = list(range(1, spec["requests"] + 1))
+    active: dict[int, tuple[Any, int, float]] = {}
+    free = list(range(spec["inflight"]))
+    latencies = []
+    while waiting or active:
+        while waiting and free:
+            room, slot = waiting.pop(0), free.pop()
+            receiver = NixlKVReceiver(mgr, boot, room)
+            receiver.init(0)
+            receiver.send_metadata(dst[slot], slot, None)
+            active[room] = (receiver, slot, time.perf_counter())
+        for room, (receiver, slot, started) in list(active.items()):
+            state = receiver.poll()
+            if state == KVPoll.Success:
+                latencies.append(time.perf_counter() - started)
+                del active[room]
+                free.append(slot)
+            elif state == KVPoll.Failed:
+                raise SystemExit(f"room {room} failed")
+        time.sleep(0)
+    elapsed, cpu1 = time.perf_counter() - t0, os.times()
+    return {"elapsed_s": elapsed, "latencies_s": latencies, "cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system}
+
+
 def main() -> None:
     os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # S5
     install_shims()
@@ -276,6 +377,10 @@ def main() -> None:
         pages = [int(p) for p in sys.argv[4].split(",")]
         print(json.dumps(decode_recv(sys.argv[2], int(sys.argv[3]), pages, int(sys.argv[5]), sys.argv[6] == "mla",
                                      sys.argv[7:8] == ["state"])), flush=True)
+    elif role == "bench-prefill":
+        print(json.dumps(bench_prefill(json.loads(sys.argv[2]))), flush=True)
+    elif role == "bench-decode":
+        print(json.dumps(bench_decode(sys.argv[2], json.loads(pathlib.Path(sys.argv[3]).read_text()))), flush=True)
     else:
         raise SystemExit(f"unknown role {role!r}")
     os._exit(0)  # SGLang's reader threads are not daemons

@@ -72,6 +72,7 @@ def test_a_transfer_info_decodes_and_encodes_back_byte_for_byte() -> None:
      "decode port"),
     ([*sglang_register([1], [2])[:6], b"\x00" * 7, *sglang_register([1], [2])[7:]], "kv pointers"),
     ([*sglang_register([1], [2])[:4], b"\xff\xfe", *sglang_register([1], [2])[5:]], "agent name"),
+    ([*sglang_register([1], [2])[:5], b"m" * (2**20 + 1), *sglang_register([1], [2])[6:]], "agent metadata"),
 ])
 def test_bad_frames_are_refused_naming_the_field_never_asserted(frames: list[bytes], field: str) -> None:
     with pytest.raises(RemoteProtocolError, match=field):

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 
 from asynckv.errors import PeerUnreachable, TransferTimeout
 from asynckv.proto.topology import metadata_agent_name, stub_agent_metadata
@@ -30,6 +31,8 @@ class FakeAgent:
         self.finish = False
         self.done: set[int] = set()
         """Handles that completed (all do once ``finish`` is set)."""
+        self.sent_notifs: list[tuple[str, bytes]] = []
+        """(peer, message) of every ``send_notif``."""
         self.copy_s = 0.0
         """How long transfer() blocks (a CMA copy happens inside the call)."""
         self._next = 0
@@ -68,7 +71,7 @@ class FakeAgent:
     def remove_remote_agent(self, name: str) -> None:
         self.calls.append(("remove_remote_agent", name))
 
-    def make_prepped_xfer(self, op: str, local: int, src: Any, remote: int, dst: Any, notif_msg: bytes = b"") -> int:
+    def make_prepped_xfer(self, op: str, local: int, src: Any, remote: int, dst: Any) -> int:
         self._use("make_prepped_xfer", local)
         self._use("make_prepped_xfer", remote)
         return self._new("make_prepped_xfer")
@@ -76,8 +79,11 @@ class FakeAgent:
     def get_xfer_descs(self, rows: Any, kind: str) -> Any:
         return rows
 
-    def initialize_xfer(self, op: str, src: Any, dst: Any, peer: str, notif_msg: bytes = b"") -> int:
+    def initialize_xfer(self, op: str, src: Any, dst: Any, peer: str) -> int:
         return self._new("initialize_xfer")
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self.sent_notifs.append((peer, msg))
 
     def transfer(self, h: int) -> str:
         self._use("transfer", h)
@@ -237,5 +243,37 @@ async def test_a_write_over_tcp_keeps_one_handle_in_flight_so_a_cancel_stops_it_
     await until(lambda: settled)
     assert settled[0][0] == 1 and "aborted by decode" in str(settled[0][1])
     assert len(made()) == 2  # the third handle never started
+    await plane.close()
+    assert agent.live == agent.released
+
+
+@pytest.mark.parametrize("kind", ["descs", "prepped"])
+@pytest.mark.parametrize("handles", [1, 3])
+async def test_a_writes_notification_goes_once_it_all_landed_and_never_for_a_cancelled_write(
+        kind: str, handles: int) -> None:
+    agent = FakeAgent()  # handles complete only when the test says so (TCP, RDMA)
+    plane, settled = await started(agent)
+    pieces: tuple[PreppedPiece | DescPiece, ...] = (
+        tuple(DescPiece(rows(1), rows(1), "DRAM", "DRAM") for _ in range(handles)) if kind == "descs"
+        else tuple(PreppedPiece(np.array([i], dtype=np.int32), np.array([i], dtype=np.int32)) for i in range(handles)))
+
+    def made() -> list[int]:
+        return [h for n, h in agent.calls if n in ("initialize_xfer", "make_prepped_xfer")]
+
+    plane.post(1, "peer", Write(pieces, handles, 64 * handles, notif=b"x"), 30.0)
+    for i in range(handles):  # one handle at a time: each completes before the next is made
+        await until(lambda i=i: len(made()) == i + 1)
+        assert agent.sent_notifs == []  # not before the write's last byte landed
+        agent.done.add(made()[i])
+    await until(lambda: settled)
+    assert settled == [(1, None)] and agent.sent_notifs == [("peer", b"x")]
+    plane.post(2, "peer", Write(pieces, handles, 64 * handles, notif=b"y"), 30.0)
+    await until(lambda: len(made()) == handles + 1)
+    plane.cancel([2], TransferTimeout("its room failed"))  # while its first handle is in flight
+    agent.done.add(made()[handles])  # that handle still lands (NIXL cannot stop it)
+    await until(lambda: len(settled) == 2 or len(made()) > handles + 1)
+    assert len(made()) == handles + 1, "a handle of the cancelled write started after the cancel"
+    assert settled[1][0] == 2 and "its room failed" in str(settled[1][1])
+    assert agent.sent_notifs == [("peer", b"x")]  # the cancelled write's notification never went
     await plane.close()
     assert agent.live == agent.released

@@ -1,0 +1,155 @@
+"""The reference workload, asynckv against SGLang 0.5.10's own NIXL connector, in the same run.
+
+Both sides move the same pages between two processes on this machine (DRAM, UCX over loopback):
+32 layers MHA = 64 buffers of 16-token pages of 32 KiB (2 MiB per page), 10 aux rows for SGLang
+(2 for asynckv's pool: one row per request either way), one chunk per request, the cases of the
+reference's own document. SGLang runs unmodified from its venv (``bash scripts/sglang-venv.sh``),
+driven the way its schedulers drive it: a loop polling every live sender and receiver
+(``tests/interop/sglang_peer.py``, roles ``bench-prefill`` and ``bench-decode``). asynckv runs the
+same requests with the same slots (``bench_seed_workload.run_case``). Rounds interleave the two
+(the side that goes first alternates); medians and the min-max spread are reported.
+
+Decode latency: SGLang from ``send_metadata`` to ``poll()`` == Success, asynckv from
+``receiver.init()`` to ``wait()`` resolving. CPU: SGLang's processes count from the start of the
+work (after their ~9 s imports); asynckv's prefill process is counted whole, start-up included
+(which can only favour SGLang). Skipped, with the reason, when the SGLang venv is not built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from asynckv.demo import DemoSpec
+
+from . import bench_seed_workload
+from ._common import write_result
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VENV = pathlib.Path(os.environ.get("ASYNCKV_SGLANG_VENV", ROOT / ".cache" / "sglang-0.5.10"))
+PEER = ROOT / "tests" / "interop" / "sglang_peer.py"
+CASES = bench_seed_workload.CASES
+
+
+def sglang_python() -> pathlib.Path | None:
+    return VENV / "bin" / "python" if (VENV / ".asynckv-sglang-0.5.10-ready").exists() else None
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def sglang_case(python: pathlib.Path, requests: int, pages: int, inflight: int, scattered: bool,
+                scale: int) -> dict[str, float]:
+    """One run of SGLang's connector, both sides, on one case."""
+    spec = DemoSpec(requests=requests, min_pages=pages, max_pages=pages, chunk_pages=pages, inflight=inflight,
+                    fill=False, layers=32 // scale)
+    rng = np.random.default_rng(1)
+    pool_pages = inflight * pages
+    dst = [(rng.permutation(pool_pages)[:pages] if scattered else np.arange(pages) + k * pages).tolist()
+           for k in range(inflight)]
+    job = {"requests": requests, "pages": pages, "inflight": inflight, "buffers": spec.entries,
+           "item": spec.item_bytes, "page_size": spec.page_size}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({**job, "dst": dst}, f)
+    env = {**os.environ, "SGLANG_HOST_IP": "127.0.0.1"}
+    prefill = subprocess.Popen([str(python), str(PEER), "bench-prefill", json.dumps(job)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert prefill.stdout is not None
+        line = ""
+        while not line.startswith("{"):
+            line = prefill.stdout.readline()
+            if not line:
+                raise RuntimeError(f"SGLang prefill did not start: {prefill.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        boot = json.loads(line)["bootstrap"]
+        decode = subprocess.run([str(python), str(PEER), "bench-decode", boot, f.name], capture_output=True, text=True,
+                                env=env, timeout=900)
+        if decode.returncode != 0:
+            raise RuntimeError(f"SGLang decode failed: {decode.stderr[-2000:]}")
+        out, err = prefill.communicate(timeout=120)
+        if prefill.returncode != 0:
+            raise RuntimeError(f"SGLang prefill failed: {err[-2000:]}")
+    finally:
+        if prefill.poll() is None:
+            prefill.kill()
+            prefill.wait()
+        pathlib.Path(f.name).unlink(missing_ok=True)
+    d = _json_lines(decode.stdout)[-1]
+    p = _json_lines(out)[-1]
+    lat = np.asarray(d["latencies_s"]) * 1e3
+    nbytes = requests * pages * spec.entries * spec.item_bytes
+    return {"gbps": nbytes / d["elapsed_s"] / 1e9, "rps": requests / d["elapsed_s"],
+            "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
+            "cpu_decode_s": d["cpu_s"], "cpu_prefill_s": p["cpu_s"], "gb": nbytes / 1e9}
+
+
+def asynckv_case(requests: int, pages: int, inflight: int, scattered: bool, scale: int) -> dict[str, float]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    row = asyncio.run(bench_seed_workload.run_case(requests, pages, inflight, scattered, scale))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    row.pop("cpu_prefill_s_total")
+    row["cpu_prefill_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    row["gb"] = requests * pages * DemoSpec(layers=32 // scale).entries * DemoSpec(layers=32 // scale).item_bytes / 1e9
+    return row
+
+
+def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("gbps", "rps", "p50_ms", "p99_ms", "cpu_decode_s", "cpu_prefill_s"):
+        values = [r[key] for r in runs]
+        out[key] = statistics.median(values)
+        out[f"{key}_spread"] = [min(values), max(values)]
+    out["cpu_s_per_gb"] = statistics.median((r["cpu_decode_s"] + r["cpu_prefill_s"]) / r["gb"] for r in runs)
+    return out
+
+
+def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scale", type=int, default=1, help="divide the layer count (smoke runs)")
+    parser.add_argument("--cases", type=int, default=len(CASES))
+    parser.add_argument("--requests", type=int, default=0, help="override every case's request count (smoke)")
+    args = parser.parse_args(argv)
+    python = sglang_python()
+    if python is None:
+        print(f"  skipped: no SGLang 0.5.10 venv at {VENV} (bash scripts/sglang-venv.sh builds it)", flush=True)
+        return {"skipped": True}
+    print("The reference workload, asynckv vs SGLang 0.5.10's connector, interleaved rounds:", flush=True)
+    rows = []
+    for name, requests, pages, inflight, scattered in CASES[:args.cases]:
+        requests = args.requests or requests
+        runs: dict[str, list[dict[str, float]]] = {"sglang": [], "asynckv": []}
+        for r in range(args.rounds):
+            order = ["sglang", "asynckv"] if r % 2 == 0 else ["asynckv", "sglang"]
+            for side in order:
+                run = sglang_case(python, requests, pages, inflight, scattered, args.scale) if side == "sglang" \
+                    else asynckv_case(requests, pages, inflight, scattered, args.scale)
+                runs[side].append(run)
+                print(f"  {name:28s} round {r + 1} {side:8s}: {run['gbps']:5.2f} GB/s, {run['rps']:7.1f} req/s, "
+                      f"p50 {run['p50_ms']:7.1f} ms, CPU s decode {run['cpu_decode_s']:.2f} prefill "
+                      f"{run['cpu_prefill_s']:.2f}", flush=True)
+        s, a = _summary(runs["sglang"]), _summary(runs["asynckv"])
+        rows.append({"workload": name, "requests": requests, "pages": pages, "inflight": inflight,
+                     "scattered": scattered, "sglang": s, "asynckv": a, "gbps_ratio": a["gbps"] / s["gbps"],
+                     "rps_ratio": a["rps"] / s["rps"], "p50_fraction": a["p50_ms"] / s["p50_ms"],
+                     "cpu_per_gb_fraction": a["cpu_s_per_gb"] / s["cpu_s_per_gb"], "runs": runs})
+    result = {"question": "the reference workload: asynckv vs SGLang 0.5.10's NIXL connector, same run",
+              "rounds": args.rounds, "scale": args.scale, "rows": rows}
+    write_result("sglang_side_by_side", result, out_dir)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
