@@ -43,7 +43,7 @@ CASES = bench_seed_workload.CASES
 
 
 def sglang_python() -> pathlib.Path | None:
-    return VENV / "bin" / "python" if (VENV / ".asynckv-sglang-0.5.10-ready").exists() else None
+    return VENV / "bin" / "python" if (VENV / ".asynckv-sglang-0.5.10-ready-2").exists() else None
 
 
 def _json_lines(text: str) -> list[dict[str, Any]]:
@@ -122,10 +122,14 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser.add_argument("--cases", type=int, default=len(CASES))
     parser.add_argument("--requests", type=int, default=0, help="override every case's request count (smoke)")
     args = parser.parse_args(argv)
+    question = "the reference workload: asynckv vs SGLang 0.5.10's NIXL connector, same run"
     python = sglang_python()
     if python is None:
-        print(f"  skipped: no SGLang 0.5.10 venv at {VENV} (bash scripts/sglang-venv.sh builds it)", flush=True)
-        return {"skipped": True}
+        reason = f"no SGLang 0.5.10 venv at {VENV} (bash scripts/sglang-venv.sh builds it)"
+        print(f"  skipped: {reason}", flush=True)
+        skipped: dict[str, object] = {"question": question, "skipped": reason}
+        write_result("sglang_side_by_side", skipped, out_dir)
+        return skipped
     print("The reference workload, asynckv vs SGLang 0.5.10's connector, interleaved rounds:", flush=True)
     rows = []
     for name, requests, pages, inflight, scattered in CASES[:args.cases]:
@@ -145,8 +149,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
                      "scattered": scattered, "sglang": s, "asynckv": a, "gbps_ratio": a["gbps"] / s["gbps"],
                      "rps_ratio": a["rps"] / s["rps"], "p50_fraction": a["p50_ms"] / s["p50_ms"],
                      "cpu_per_gb_fraction": a["cpu_s_per_gb"] / s["cpu_s_per_gb"], "runs": runs})
-    result = {"question": "the reference workload: asynckv vs SGLang 0.5.10's NIXL connector, same run",
-              "rounds": args.rounds, "scale": args.scale, "rows": rows}
+    result = {"question": question, "rounds": args.rounds, "scale": args.scale, "rows": rows}
     write_result("sglang_side_by_side", result, out_dir)
     return result
 

@@ -7,6 +7,7 @@ room (fencing included) lives in ``asynckv.proto.decode``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Aborted
@@ -71,6 +72,20 @@ class KVReceiver:
         if self.state.state is ReceiverState.RESOLVING:
             await asyncio.shield(self._init)
         return self.poll()
+
+    def init_nowait(self, page_indices: Any, aux_index: int = -1, state_indices: Any = None,
+                    decode_prefix_len: int = 0) -> None:
+        """``init()`` for synchronous callers: validate (bad input raises) and start sending the
+        destination without waiting; ``on_done`` reports the outcome."""
+        self._svc.feed("receiver_init", self.state, page_indices, aux_index, state_indices, decode_prefix_len)
+
+    def on_done(self, callback: Callable[[KVPoll], None]) -> None:
+        """Call ``callback(poll)`` on the loop once the room's outcome is decided (after its fence)."""
+        self._done.add_done_callback(lambda fut: callback(fut.result()))
+
+    def abort_nowait(self, reason: str = "aborted by decode") -> None:
+        """``abort()`` without waiting for the fence (``on_done`` says when it is reached)."""
+        self._svc.feed("abort_receiver", self.state, Aborted(reason))
 
     async def wait(self, timeout: float | None = None) -> KVPoll:
         """Wait for the outcome: Success or Failed (never raises for a failed transfer).

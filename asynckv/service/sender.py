@@ -7,6 +7,7 @@ the room lives in ``asynckv.proto.prefill``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Aborted
@@ -98,6 +99,20 @@ class KVSender:
         Cancelling the waiting task does not abort the room.
         """
         return await asyncio.wait_for(asyncio.shield(self._done), timeout)
+
+    def send_nowait(self, page_indices: Any, state_indices: Any = None) -> int | None:
+        """``send()`` for synchronous callers: queue the chunk (its writes wait for the byte budget
+        inside asynckv) and return its number at once, or None when the room already failed."""
+        result: int | None = self._svc.feed("send_chunk", self.state, page_indices, state_indices)
+        return result
+
+    def on_ready(self, callback: Callable[[KVPoll], None]) -> None:
+        """Call ``callback(poll)`` on the loop once the room is ready (WaitingForInput) or failed."""
+        self._ready.add_done_callback(lambda fut: callback(fut.result()))
+
+    def on_done(self, callback: Callable[[KVPoll], None]) -> None:
+        """Call ``callback(poll)`` on the loop once the room's outcome is decided."""
+        self._done.add_done_callback(lambda fut: callback(fut.result()))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Fail the room; decode is told once none of its writes can still land."""

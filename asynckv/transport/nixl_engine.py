@@ -265,12 +265,9 @@ class NixlEngine:
             if self._parked:
                 self._poll_parked()
             try:
-                notifs = agent.get_new_notifs()  # drives UCX progress: there is no progress thread
+                self._notify(agent.get_new_notifs())  # drives UCX progress: there is no progress thread
             except Exception:
                 log.debug("get_new_notifs failed", exc_info=True)
-            else:
-                if notifs and self.on_notified is not None:
-                    self._notify(notifs)
             self.posts_in_flight = len(self._in_flight)
             self.rounds += 1
             if done:
@@ -408,10 +405,9 @@ class NixlEngine:
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
 
     def _notify(self, notifs: dict[str, list[bytes]]) -> None:
-        loop, target = self._loop, self.on_notified
-        if loop is not None and target is not None:
+        if notifs and self._loop is not None and self.on_notified is not None:  # (otherwise dropped)
             batch = [(str(agent), bytes(msg)) for agent, msgs in notifs.items() for msg in msgs]
-            loop.call_soon_threadsafe(target, batch)
+            self._loop.call_soon_threadsafe(self.on_notified, batch)
 
     def _deliver(self, done: list[Any]) -> None:
         loop = self._loop
