@@ -43,7 +43,7 @@ CASES = bench_seed_workload.CASES
 
 
 def sglang_python() -> pathlib.Path | None:
-    return VENV / "bin" / "python" if (VENV / ".asynckv-sglang-0.5.10-ready-2").exists() else None
+    return VENV / "bin" / "python" if (VENV / ".asynckv-sglang-0.5.10-ready-3").exists() else None
 
 
 def _json_lines(text: str) -> list[dict[str, Any]]:

@@ -74,6 +74,12 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                          f"{s['gbps']:.2f} GB/s, {s['rps']:.0f} req/s, p50 {s['p50_ms']:.0f} ms, "
                          f"{s['cpu_s_per_gb']:.2f} CPU s/GB | {r['gbps_ratio']:.2f}x GB/s, p50 "
                          f"x{r['p50_fraction']:.2f}, CPU/GB x{r['cpu_per_gb_fraction']:.2f} | >= 2x GB/s |")
+    sp = _load(out, "sglang_poll")
+    if sp and not sp.get("skipped"):
+        a, s = sp["asynckv"], sp["sglang"]
+        lines.append(f"| SGLang scheduler loop, {sp['queued']} requests queued: poll() per request per iteration | "
+                     f"{a['median_us']:.2f} us median, {a['p99_us']:.2f} us p99 | SGLang's NixlKVSender.poll(): "
+                     f"{s['median_us']:.2f} / {s['p99_us']:.2f} us | | <= 5 us |")
     sw = _load(out, "seed_workload")
     if sw:
         for r in sw["rows"]:

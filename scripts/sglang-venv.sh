@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-${ASYNCKV_SGLANG_VENV:-.cache/sglang-0.5.10}}"
-STAMP="$VENV/.asynckv-sglang-0.5.10-ready-2"
+STAMP="$VENV/.asynckv-sglang-0.5.10-ready-3"
 if [ -f "$STAMP" ]; then
     echo "sglang venv ready: $VENV"
     exit 0
@@ -27,7 +27,11 @@ echo "torch==2.13.0+cpu" > "$CONSTRAINTS"
     psutil==7.2.2 pybase64==1.5.1 orjson==3.13.0 packaging==26.4 pillow==13.0.0 starlette==1.10.0 \
     pydantic==2.14.4 tqdm==4.70.1 ipython==9.18.1 dill==0.4.1 sentencepiece==0.2.3 safetensors==0.8.0 \
     partial-json-parser==0.2.1.1.post7 openai==2.6.1 transformers==5.3.0 huggingface_hub==1.33.0 triton==3.9.0 \
-    prometheus-client==0.26.0  # (asynckv's own dependency: the backend tests import asynckv from the checkout)
+    prometheus-client==0.26.0 einops==0.8.2 gguf==0.19.0 msgspec==0.23.0 loguru==0.7.3
+# prometheus-client: asynckv's own dependency (the backend tests import asynckv from the checkout);
+# einops, gguf, msgspec, compressed-tensors: on the import path of SGLang's scheduler modules
+# (compressed-tensors declares transformers<5, which SGLang 0.5.10 does not use: without its deps).
+"${PIP[@]}" --no-deps compressed-tensors==0.14.0.1
 rm -f "$CONSTRAINTS"
 "$VENV/bin/python" -c "import sglang, nixl._api, torch; assert sglang.__version__ == '0.5.10', sglang.__version__; assert not torch.cuda.is_available()"
 touch "$STAMP"

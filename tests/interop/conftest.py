@@ -16,6 +16,6 @@ PEER = pathlib.Path(__file__).with_name("sglang_peer.py")
 @pytest.fixture
 def sglang_python() -> pathlib.Path:
     """The SGLang venv's Python; the test is skipped, saying how to build it, when there is none."""
-    if not (VENV / ".asynckv-sglang-0.5.10-ready-2").exists():
+    if not (VENV / ".asynckv-sglang-0.5.10-ready-3").exists():
         pytest.skip(f"no SGLang 0.5.10 venv at {VENV} (bash scripts/sglang-venv.sh builds it)")
     return VENV / "bin" / "python"

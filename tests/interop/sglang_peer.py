@@ -8,7 +8,9 @@ the connector or its wire:
 - S3 the attention TP/CP/DP accessors answer a single rank (no torch.distributed groups);
 - S4 ``ServerArgs`` as a namespace of its declared defaults (a real one refuses to build without an
   accelerator);
-- S5 ``SGLANG_HOST_IP=127.0.0.1``.
+- S5 ``SGLANG_HOST_IP=127.0.0.1``;
+- S6 an ``sgl_kernel`` stub (SGLang's CUDA kernels; only its scheduler modules import it, at module
+  level: the backend tests import them).
 
 Role ``decode-send``: start SGLang's bootstrap server, register a prefill rank whose ZMQ endpoint
 is the caller's (so the caller receives exactly what SGLang's decode sends), then run SGLang's
@@ -55,11 +57,16 @@ PAGE_SIZE, LAYERS, ITEM, PAGES = 4, 2, 256, 16
 SECONDS = 60.0
 
 
+STUBBED = ("torchvision", "sgl_kernel")
+
+
 class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """S1: ``torchvision`` and its submodules import as empty modules."""
+    """S1: ``torchvision`` and its submodules import as empty modules; S6: so does ``sgl_kernel``
+    (SGLang's CUDA kernels, imported at module level by the scheduler modules, e.g. for the host
+    KV cache; never called on a transfer path)."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name == "torchvision" or name.startswith("torchvision."):
+        if name.split(".")[0] in STUBBED:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -73,10 +80,28 @@ class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+class _Anything:
+    """Whatever a stubbed module is asked for at import time (a constant, a function, a class)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _Anything()
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __mro_entries__(self, bases: Any) -> tuple[type, ...]:
+        return (object,)
+
+
 def _stub_attr(attr: str) -> Any:
     if attr.startswith("__"):  # (version probes and the import machinery must see nothing)
         raise AttributeError(attr)
-    return lambda *a, **k: None
+    return _Anything()
 
 
 def install_shims() -> None:
