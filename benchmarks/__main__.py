@@ -19,7 +19,6 @@ from . import (
     bench_head_slice,
     bench_idle,
     bench_kernels,
-    bench_seed_workload,
     bench_sglang,
     bench_sglang_poll,
     bench_sim,
@@ -30,7 +29,7 @@ from ._common import RESULTS
 from .report import render
 
 FULL: dict[str, list[str]] = {"throughput": [], "small": [], "concurrency": [], "kernels": [], "idle": [],
-                              "first_contact": [], "head_slice": [], "seed_workload": [], "sglang": [],
+                              "first_contact": [], "head_slice": [], "sglang": [],
                               "sglang_poll": [], "sim": []}
 SMOKE: dict[str, list[str]] = {
     "throughput": ["--sizes-mib", "0.0625", "1", "--reps", "1"],
@@ -40,14 +39,13 @@ SMOKE: dict[str, list[str]] = {
     "idle": ["--seconds", "0.3", "--rooms", "10"],
     "first_contact": ["--rounds", "1"],
     "head_slice": ["--pages", "16"],
-    "seed_workload": ["--scale", "16", "--cases", "1"],
     "sglang": ["--rounds", "1", "--scale", "16", "--cases", "1", "--requests", "4"],
     "sglang_poll": ["--queued", "20", "--iterations", "20"],
     "sim": ["--seeds", "500", "--procs", "1"],
 }
 MODULES = {"throughput": bench_throughput, "small": bench_small, "concurrency": bench_concurrency,
            "kernels": bench_kernels, "idle": bench_idle, "first_contact": bench_first_contact,
-           "head_slice": bench_head_slice, "seed_workload": bench_seed_workload, "sglang": bench_sglang,
+           "head_slice": bench_head_slice, "sglang": bench_sglang,
            "sglang_poll": bench_sglang_poll, "sim": bench_sim}
 
 

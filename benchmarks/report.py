@@ -80,13 +80,6 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
         lines.append(f"| SGLang scheduler loop, {sp['queued']} requests queued: poll() per request per iteration | "
                      f"{a['median_us']:.2f} us median, {a['p99_us']:.2f} us p99 | SGLang's NixlKVSender.poll(): "
                      f"{s['median_us']:.2f} / {s['p99_us']:.2f} us | | <= 5 us |")
-    sw = _load(out, "seed_workload")
-    if sw:
-        for r in sw["rows"]:
-            lines.append(f"| seed workload: {r['workload']} | {r['gbps']:.2f} GB/s, {r['rps']:.0f} req/s, p50 "
-                         f"{r['p50_ms']:.0f} / p99 {r['p99_ms']:.0f} ms | reference connector (its document): "
-                         f"{r['seed_gbps']} GB/s, p50 {r['seed_p50_ms']} / p99 {r['seed_p99_ms']} ms | "
-                         f"{r['gbps_ratio']:.1f}x GB/s, {r['p50_ratio']:.1f}x lower p50 | beat it widely |")
     if charts:
         _charts(out)
     return "\n".join(lines)
@@ -131,17 +124,20 @@ def _charts(out: pathlib.Path) -> None:
         fig.tight_layout()
         fig.savefig(out / "small_requests.png", dpi=100)
         plt.close(fig)
-    sw = _load(out, "seed_workload")
-    if sw:
-        rows = sw["rows"]
+    sg = _load(out, "sglang_side_by_side")
+    if sg and not sg.get("skipped"):
+        rows = sg["rows"]
         x = range(len(rows))
         fig, ax = plt.subplots(figsize=(8, 4))
-        ax.bar([i - 0.2 for i in x], [r["gbps"] for r in rows], 0.4, label="asynckv")
-        ax.bar([i + 0.2 for i in x], [r["seed_gbps"] for r in rows], 0.4, label="reference connector")
+        for offset, side, label in ((-0.2, "asynckv", "asynckv"), (0.2, "sglang", "SGLang 0.5.10's NIXL connector")):
+            medians = [r[side]["gbps"] for r in rows]
+            spread = [[m - r[side]["gbps_spread"][0] for m, r in zip(medians, rows, strict=True)],
+                      [r[side]["gbps_spread"][1] - m for m, r in zip(medians, rows, strict=True)]]
+            ax.bar([i + offset for i in x], medians, 0.4, yerr=spread, capsize=3, label=label)
         ax.set_xticks(list(x), [r["workload"].replace(", ", "\n") for r in rows], fontsize=8)
-        ax.set_ylabel("GB/s")
-        ax.set_title("The reference connector's workload (higher is better)")
+        ax.set_ylabel("GB/s (median, min-max)")
+        ax.set_title("The reference workload, same run (higher is better)")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out / "seed_workload.png", dpi=100)
+        fig.savefig(out / "sglang_side_by_side.png", dpi=100)
         plt.close(fig)

@@ -10,6 +10,7 @@ this rank's TP size and rank (a scheduler reads them from the process groups it 
 
     python sglang_backend_rank.py classes
     python sglang_backend_rank.py bootstrap <port>
+    python sglang_backend_rank.py launch-help
     python sglang_backend_rank.py poll-bench <queued requests> <iterations>
     python sglang_backend_rank.py prefill|decode <rank> <world> <gloo port> <bootstrap port> <plan json>
 
@@ -276,6 +277,11 @@ def main() -> None:
     if role == "bootstrap":
         bootstrap(int(sys.argv[2]))
         os._exit(0)
+    if role == "launch-help":  # python -m asynckv.integrations.sglang --help: SGLang's own CLI, backend installed
+        import runpy
+
+        sys.argv = ["asynckv.integrations.sglang", "--help"]
+        runpy.run_module("asynckv.integrations.sglang", run_name="__main__", alter_sys=True)
     if role == "poll-bench":
         print(json.dumps(poll_bench(int(sys.argv[2]), int(sys.argv[3]))), flush=True)
         os._exit(0)

@@ -96,6 +96,13 @@ async def test_get_kv_class_returns_asynckvs_classes_only_after_install(sglang_p
     assert "asynckv" in out["choices"] and out["member"] == "ASYNCKV"
 
 
+async def test_the_launcher_offers_the_backend_on_sglangs_own_command_line(sglang_python: pathlib.Path) -> None:
+    proc = await start(sglang_python, "launch-help")
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    assert "--disaggregation-transfer-backend {mooncake,nixl,ascend,fake,mori,asynckv}" in out.decode()
+
+
 def room(room_id: int, src: list[int], dst: list[int], chunk: int, aux: tuple[int, int],
          abort: str | None = None) -> dict[str, Any]:
     return {"room": room_id, "src": src, "dst": dst, "chunk": chunk, "src_aux": aux[0], "dst_aux": aux[1],
