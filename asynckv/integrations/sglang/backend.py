@@ -26,6 +26,7 @@ from ...service.manager import KVManager, Mode
 from ...service.receiver import KVReceiver
 from ...service.sender import KVSender
 from ..loop_thread import LoopThread
+from ..poll_state import PollState
 
 __all__ = [
     "CLASSES",
@@ -44,31 +45,6 @@ START_TIMEOUT_S = 120.0
 
 class SglangTransferError(RuntimeError):
     """What ``failure_exception()`` raises: asynckv's reason, with its exception as the cause."""
-
-
-class _Room:
-    """A room's poll value, moved forward only (Failed and Success are final)."""
-
-    __slots__ = ("error", "state")
-
-    def __init__(self) -> None:
-        self.state = int(Poll.Bootstrapping)
-        self.error: BaseException | None = None
-
-    def advance(self, state: int, error: BaseException | None = None) -> None:
-        if self.state in (Poll.Failed, Poll.Success):
-            return
-        if state == Poll.Failed:
-            self.error = error or self.error or AsyncKVError("failed")
-            self.state = int(Poll.Failed)
-        elif state > self.state:
-            self.state = int(state)
-
-    def raise_failure(self, what: str) -> None:
-        error = self.error
-        if error is None:  # the MIN over the TP group says Failed before this rank heard of it
-            raise SglangTransferError(f"{what}: not failed on this rank (yet): another TP rank's poll() failed it")
-        raise SglangTransferError(f"{what}: {str(error) or type(error).__name__}") from error
 
 
 # -- the manager -----------------------------------------------------------------------------
@@ -210,7 +186,7 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
                  dest_tp_ranks: list[int] | None = None, pp_rank: int = 0) -> None:
         self.mgr = mgr
         self.bootstrap_room = bootstrap_room
-        self._room = _Room()
+        self._room = PollState()
         self._view: KVSender | None = None
         mgr.thread.submit(self._open)
 
@@ -250,7 +226,7 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
         return self._room.state
 
     def failure_exception(self) -> None:
-        self._room.raise_failure(f"asynckv room {self.bootstrap_room}")
+        self._room.raise_failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
 
     def abort(self) -> None:
         self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))
@@ -271,7 +247,7 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self.mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room or 0)
-        self._room = _Room()
+        self._room = PollState()
         self._view: KVReceiver | None = None
         mgr.thread.submit(self._open)
 
@@ -322,7 +298,7 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         return self._room.state
 
     def failure_exception(self) -> None:
-        self._room.raise_failure(f"asynckv room {self.bootstrap_room}")
+        self._room.raise_failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
 
     def abort(self) -> None:
         self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))
