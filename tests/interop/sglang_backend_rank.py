@@ -44,12 +44,41 @@ def pattern(rank: int, buffer: int, page: int) -> int:
 
 
 def shim_parallelism(rank: int, world: int) -> None:
-    from sglang.srt.layers import dp_attention
+    """SGLang's attention-parallel accessors answer this rank (a scheduler's read its process groups):
+    0.5.23's runtime context, 0.5.10's ``dp_attention`` functions."""
+    import types
 
-    dp_attention.get_attention_tp_size = lambda: world
-    dp_attention.get_attention_tp_rank = lambda: rank
-    dp_attention.get_attention_dp_size = lambda: 1
-    dp_attention.get_attention_dp_rank = lambda: 0
+    try:
+        from sglang.srt import runtime_context
+    except ImportError:
+        from sglang.srt.layers import dp_attention
+
+        dp_attention.get_attention_tp_size = lambda: world
+        dp_attention.get_attention_tp_rank = lambda: rank
+        dp_attention.get_attention_dp_size = lambda: 1
+        dp_attention.get_attention_dp_rank = lambda: 0
+        return
+    parallel = types.SimpleNamespace(attn_tp_size=world, attn_tp_rank=rank, attn_dp_size=1, attn_dp_rank=0)
+    runtime_context.get_parallel = lambda: parallel
+
+
+def new_api() -> bool:
+    """SGLang 0.5.23's scheduler calls (sender constructor, plugins) rather than 0.5.10's."""
+    import sglang
+
+    return bool(sglang.__version__ != "0.5.10")
+
+
+def install_backend() -> None:
+    """0.5.23: SGLang's own plugin loader finds asynckv's entry point; 0.5.10: ``install()``."""
+    if new_api():
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+    else:
+        from asynckv.integrations.sglang import install
+
+        install()
 
 
 def classes() -> dict[str, Any]:
@@ -67,7 +96,7 @@ def classes() -> dict[str, Any]:
 
     from asynckv.integrations.sglang import install
 
-    install()
+    install_backend()
     install()  # (idempotent)
     from sglang.srt.disaggregation import decode, prefill  # imported after: they bind the new one
 
@@ -83,9 +112,7 @@ def classes() -> dict[str, Any]:
 
 
 def bootstrap(port: int) -> None:
-    from asynckv.integrations.sglang import install
-
-    install()  # (before importing get_kv_class by name, as SGLang's own modules do)
+    install_backend()  # (before importing get_kv_class by name, as SGLang's own modules do)
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     server = get_kv_class(TransferBackend("asynckv"), KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
@@ -117,6 +144,7 @@ def make_manager(mode: str, rank: int, boot_port: int) -> tuple[Any, Any, list[A
     args.aux_data_lens = [int(a.nbytes) for a in aux]
     args.aux_item_lens = [64] * len(aux)
     args.state_data_ptrs, args.state_data_lens, args.state_item_lens, args.state_type = [], [], [], "none"
+    args.state_types, args.kv_cache_dtype_str = [], "auto"  # (0.5.23's fields)
     args.ib_device, args.gpu_id = None, 0
     sa = server_args(boot_port, PAGE_SIZE)
     sa.kv_cache_dtype = "auto"
@@ -132,7 +160,9 @@ def run_prefill(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any
     from sglang.srt.disaggregation.utils import poll_and_all_reduce
 
     rooms = {r["room"]: r for r in plan["rooms"]}
-    senders = {room: sender_cls(mgr=mgr, bootstrap_addr=boot, bootstrap_room=room, dest_tp_ranks=[rank], pp_rank=0)
+    extra: dict[str, Any] = {"req_has_disagg_prefill_dp_rank": False} if new_api() else \
+        {"dest_tp_ranks": [rank], "pp_rank": 0}
+    senders = {room: sender_cls(mgr=mgr, bootstrap_addr=boot, bootstrap_room=room, **extra)
                for room in rooms}  # PrefillBootstrapQueue.add
     sent: dict[int, int] = {}
     results: dict[int, str] = {}
@@ -290,9 +320,7 @@ def main() -> None:
     import torch.distributed as dist
 
     shim_parallelism(rank, world)
-    from asynckv.integrations.sglang import install
-
-    install()
+    install_backend()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)), backend="gloo")
     mgr, cls, kv, aux = make_manager(role, rank, boot_port)

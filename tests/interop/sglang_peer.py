@@ -139,8 +139,11 @@ def install_shims() -> None:
 def server_args(port: int, page_size: int = PAGE_SIZE) -> types.SimpleNamespace:  # S4
     from sglang.srt.server_args import ServerArgs
 
-    values = {}
-    for f in dataclasses.fields(ServerArgs):
+    values: dict[str, Any] = {}
+    if not dataclasses.is_dataclass(ServerArgs):  # SGLang 0.5.23: the fields a transfer backend reads
+        values.update(dist_init_addr=None, pp_size=1, dp_size=1, enable_dp_attention=False, kv_cache_dtype="auto",
+                      disaggregation_ib_device=None, enable_hisparse=False)
+    for f in dataclasses.fields(ServerArgs) if dataclasses.is_dataclass(ServerArgs) else ():
         if f.default is not dataclasses.MISSING:
             values[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:

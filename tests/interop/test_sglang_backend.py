@@ -80,8 +80,8 @@ async def cluster(python: pathlib.Path, prefill_plan: dict[str, Any], decode_pla
                 await proc.wait()
 
 
-async def test_get_kv_class_returns_asynckvs_classes_only_after_install(sglang_python: pathlib.Path) -> None:
-    proc = await start(sglang_python, "classes")
+async def test_get_kv_class_returns_asynckvs_classes_only_after_install(sglang_backend_python: pathlib.Path) -> None:
+    proc = await start(sglang_backend_python, "classes")
     out = await json_line(proc)
     await proc.wait()
     assert out["before"].startswith("ValueError") and "asynckv" in out["before"]
@@ -92,15 +92,17 @@ async def test_get_kv_class_returns_asynckvs_classes_only_after_install(sglang_p
         "receiver": "asynckv.integrations.sglang.backend.AsynckvKVReceiver",
         "bootstrap_server": "asynckv.integrations.sglang.backend.AsynckvKVBootstrapServer"}
     assert set(out["bound"].values()) == {"asynckv.integrations.sglang.backend"}  # the importers' bindings too
-    assert out["nixl"] == "sglang.srt.disaggregation.nixl.conn.NixlKVManager"  # the others are untouched
+    assert out["nixl"].endswith("NixlKVManager") and out["nixl"].startswith("sglang.")  # the others are untouched
     assert "asynckv" in out["choices"] and out["member"] == "ASYNCKV"
 
 
-async def test_the_launcher_offers_the_backend_on_sglangs_own_command_line(sglang_python: pathlib.Path) -> None:
-    proc = await start(sglang_python, "launch-help")
+async def test_the_launcher_offers_the_backend_on_sglangs_own_command_line(sglang_backend_python: pathlib.Path) -> None:
+    proc = await start(sglang_backend_python, "launch-help")
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-    assert "--disaggregation-transfer-backend {mooncake,nixl,ascend,fake,mori,asynckv}" in out.decode()
+    [choices] = [line for line in out.decode().splitlines()
+                 if line.strip().startswith("--disaggregation-transfer-backend")]
+    assert "asynckv}" in choices and "nixl" in choices, choices
 
 
 def room(room_id: int, src: list[int], dst: list[int], chunk: int, aux: tuple[int, int],
@@ -110,7 +112,7 @@ def room(room_id: int, src: list[int], dst: list[int], chunk: int, aux: tuple[in
 
 
 async def test_sglang_schedulers_move_pages_over_asynckv_with_two_tp_ranks_a_side(
-        sglang_python: pathlib.Path) -> None:
+        sglang_backend_python: pathlib.Path) -> None:
     """Three rooms, chunked with an uneven last chunk, scattered pages, aux rows; a room the decode
     client aborts and one the prefill client aborts fail on both sides with the reason; every byte
     checked on each decode rank; nothing left in any manager after ``clear()``."""
@@ -118,7 +120,7 @@ async def test_sglang_schedulers_move_pages_over_asynckv_with_two_tp_ranks_a_sid
              room(11, [0, 1], [12, 13], 2, (1, 1)), room(12, [7], [14], 1, (3, 2)),
              room(13, [9, 10], [6, 8], 1, (4, 3), abort="decode"), room(14, [11], [10], 1, (5, 4), abort="prefill")]
     plan = {"rooms": rooms}
-    async with cluster(sglang_python, plan, plan) as (prefill, decode):
+    async with cluster(sglang_backend_python, plan, plan) as (prefill, decode):
         outs = [await json_line(p, 120) for p in prefill + decode]
     for side in (outs[:2], outs[2:]):
         for out in side:
@@ -134,9 +136,9 @@ async def test_sglang_schedulers_move_pages_over_asynckv_with_two_tp_ranks_a_sid
 
 
 async def test_a_killed_prefill_fails_decodes_rooms_with_a_reason_within_the_heartbeat_bound(
-        sglang_python: pathlib.Path) -> None:
+        sglang_backend_python: pathlib.Path) -> None:
     rooms = [room(21, [1, 2], [3, 4], 2, (0, 0)), room(22, [5], [6], 1, (1, 1))]
-    async with cluster(sglang_python, {"rooms": rooms, "hold": True}, {"rooms": rooms}) as (prefill, decode):
+    async with cluster(sglang_backend_python, {"rooms": rooms, "hold": True}, {"rooms": rooms}) as (prefill, decode):
         await asyncio.sleep(3)  # the rooms reach WaitingForInput on prefill, Transferring on decode
         killed = time.time()
         for proc in prefill:

@@ -56,7 +56,7 @@ log = logging.getLogger("asynckv.sglang")
 
 BACKEND = "asynckv"
 """The value of ``--disaggregation-transfer-backend`` that selects asynckv."""
-SUPPORTED_VERSIONS = ("0.5.10",)
+SUPPORTED_VERSIONS = ("0.5.10", "0.5.23")
 """SGLang versions whose backend interface these classes implement and the tests exercise."""
 
 # -- registration in SGLang ------------------------------------------------------------------------
@@ -77,8 +77,12 @@ def install() -> None:
     if version not in SUPPORTED_VERSIONS:
         raise RuntimeError(f"asynckv's SGLang backend supports SGLang {', '.join(SUPPORTED_VERSIONS)}; this is "
                            f"SGLang {version}")
-    from sglang.srt import server_args as server_args_module
     from sglang.srt.disaggregation import utils
+
+    try:  # 0.5.23 moved the choice lists here (server_args re-exports the list object)
+        from sglang.srt.arg_groups import choices as server_args_module
+    except ImportError:
+        from sglang.srt import server_args as server_args_module
 
     backends: type[enum.Enum] = utils.TransferBackend
     member = backends._value2member_map_.get(BACKEND)
@@ -89,7 +93,7 @@ def install() -> None:
         backends._member_map_[BACKEND.upper()] = member
         backends._member_names_.append(BACKEND.upper())
     if BACKEND not in server_args_module.DISAGG_TRANSFER_BACKEND_CHOICES:
-        server_args_module.add_disagg_transfer_backend_choices([BACKEND])
+        server_args_module.DISAGG_TRANSFER_BACKEND_CHOICES.append(BACKEND)  # (the list the CLI's choices are)
     original = getattr(utils.get_kv_class, "__wrapped__", utils.get_kv_class)
 
     def get_kv_class(transfer_backend: Any, class_type: Any) -> Any:
