@@ -46,6 +46,15 @@ def sglang_python() -> pathlib.Path | None:
     return VENV / "bin" / "python" if (VENV / ".asynckv-sglang-0.5.10-ready-3").exists() else None
 
 
+def skipped(name: str, question: str, out_dir: pathlib.Path | None) -> dict[str, object]:
+    """The result of a benchmark that needs the SGLang venv, when there is none (written, with why)."""
+    reason = f"no SGLang 0.5.10 venv at {VENV} (bash scripts/sglang-venv.sh builds it)"
+    print(f"  skipped: {reason}", flush=True)
+    result: dict[str, object] = {"question": question, "skipped": reason}
+    write_result(name, result, out_dir)
+    return result
+
+
 def _json_lines(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
@@ -125,11 +134,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     question = "the reference workload: asynckv vs SGLang 0.5.10's NIXL connector, same run"
     python = sglang_python()
     if python is None:
-        reason = f"no SGLang 0.5.10 venv at {VENV} (bash scripts/sglang-venv.sh builds it)"
-        print(f"  skipped: {reason}", flush=True)
-        skipped: dict[str, object] = {"question": question, "skipped": reason}
-        write_result("sglang_side_by_side", skipped, out_dir)
-        return skipped
+        return skipped("sglang_side_by_side", question, out_dir)
     print("The reference workload, asynckv vs SGLang 0.5.10's connector, interleaved rounds:", flush=True)
     rows = []
     for name, requests, pages, inflight, scattered in CASES[:args.cases]:

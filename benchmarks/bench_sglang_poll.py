@@ -28,11 +28,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     question = "SGLang scheduler loop: poll() cost per queued request per iteration (asynckv backend vs SGLang's)"
     python = bench_sglang.sglang_python()
     if python is None:
-        reason = f"no SGLang 0.5.10 venv at {bench_sglang.VENV} (bash scripts/sglang-venv.sh builds it)"
-        print(f"  skipped: {reason}", flush=True)
-        skipped: dict[str, object] = {"question": question, "skipped": reason}
-        write_result("sglang_poll", skipped, out_dir)
-        return skipped
+        return bench_sglang.skipped("sglang_poll", question, out_dir)
     env = {**os.environ, "PYTHONPATH": str(bench_sglang.ROOT), "SGLANG_HOST_IP": "127.0.0.1"}
     run = subprocess.run([str(python), str(ROLE), "poll-bench", str(args.queued), str(args.iterations)],
                          capture_output=True, text=True, env=env, timeout=600)

@@ -10,14 +10,14 @@ from typing import Any
 import numpy as np
 
 from ..config import Config
-from ..errors import InvalidArgument
+from ..errors import ClosedError, InvalidArgument, LocalProtocolError
 from ..layout import KVArgs
 from .actions import Action, Send
 from .liveness import Liveness, PeerState
-from .messages import Ping
+from .messages import MAX_ROOM, Ping
 from .timers import Deadlines
 
-__all__ = ["Core", "check_int"]
+__all__ = ["Core", "check_int", "check_new_room"]
 
 log = logging.getLogger("asynckv.core")
 
@@ -27,6 +27,18 @@ def check_int(value: Any, what: str, low: int = 0) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
         raise InvalidArgument(f"{what} must be an integer >= {low}, got {value!r}")
     return int(value)
+
+
+def check_new_room(room: Any, rooms: dict[int, Any], max_rooms: int, closing: bool) -> None:
+    """Refuse a room a core cannot open: the manager closed, a bad id, an id in use, the table full."""
+    if closing:
+        raise ClosedError("KVManager is closed")
+    if type(room) is not int or not 0 <= room <= MAX_ROOM:
+        raise InvalidArgument(f"room must be an int in [0, 2**63), got {room!r}")
+    if room in rooms:
+        raise LocalProtocolError(f"room {room} already exists on this manager (clear() it first)")
+    if len(rooms) >= max_rooms:
+        raise InvalidArgument(f"too many rooms ({len(rooms)}); raise Config.max_rooms or clear() rooms")
 
 
 class Core:

@@ -43,9 +43,9 @@ from ..errors import (
 from ..kernels import validate_pages
 from ..layout import KVArgs
 from .actions import Closed, FetchTopology, Finished, InitDone, Send
-from .core import check_int
+from .core import check_int, check_new_room
 from .decode_peers import RegistrationRules
-from .messages import MAX_ROOM, Abort, Bye, Ping, Pong, Register, RegisterResult, Status, TransferInfo
+from .messages import Abort, Bye, Ping, Pong, Register, RegisterResult, Status, TransferInfo
 from .receiver import RankProgress, ReceiverRoom, Registration
 from .states import Event, ReceiverState
 from .topology import PrefillInstance, TargetPlan, check_compatible, plan_targets
@@ -147,14 +147,7 @@ class DecodeCore(RegistrationRules):
     # -- receiver API --------------------------------------------------------------------
 
     def open_receiver(self, addr: str, room: int, now: float) -> ReceiverRoom:
-        if self.closing:
-            raise ClosedError("KVManager is closed")
-        if type(room) is not int or not 0 <= room <= MAX_ROOM:
-            raise InvalidArgument(f"room must be an int in [0, 2**63), got {room!r}")
-        if room in self.rooms:
-            raise LocalProtocolError(f"room {room} already exists on this manager (clear() it first)")
-        if len(self.rooms) >= self.config.max_rooms:
-            raise InvalidArgument(f"too many rooms ({len(self.rooms)}); raise Config.max_rooms or clear() rooms")
+        check_new_room(room, self.rooms, self.config.max_rooms, self.closing)
         receiver = self.rooms[room] = ReceiverRoom(room, addr, next(self._epochs))
         return receiver
 

@@ -29,9 +29,9 @@ from ..errors import Aborted, BootstrapTimeout, ClosedError, InvalidArgument, Lo
 from ..kernels import validate_pages
 from ..layout import KVArgs
 from .actions import CancelPosts, Closed, Finished, Send
-from .core import check_int
+from .core import check_int, check_new_room
 from .early import EarlyTable
-from .messages import MAX_ROOM, Abort, Bye, Ping, Pong, Register, Status, TransferInfo
+from .messages import Abort, Bye, Ping, Pong, Register, Status, TransferInfo
 from .prefill_dest import DestinationRules
 from .prefill_peers import PeerRules
 from .prefill_writes import WriteRules
@@ -106,14 +106,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
 
     def open_sender(self, room: int, now: float) -> SenderRoom:
         """A new sender for ``room``; destinations or aborts that came first apply at once."""
-        if self.closing:
-            raise ClosedError("KVManager is closed")
-        if type(room) is not int or not 0 <= room <= MAX_ROOM:
-            raise InvalidArgument(f"room must be an int in [0, 2**63), got {room!r}")
-        if room in self.rooms:
-            raise LocalProtocolError(f"room {room} already exists on this manager (clear() it first)")
-        if len(self.rooms) >= self.config.max_rooms:
-            raise InvalidArgument(f"too many rooms ({len(self.rooms)}); raise Config.max_rooms or clear() rooms")
+        check_new_room(room, self.rooms, self.config.max_rooms, self.closing)
         sender = self.rooms[room] = SenderRoom(room)
         self.deadlines.arm(sender, now + self.config.bootstrap_timeout_s)
         early = self.early.pop(room)

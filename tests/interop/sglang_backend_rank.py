@@ -154,6 +154,15 @@ def make_manager(mode: str, rank: int, boot_port: int) -> tuple[Any, Any, list[A
     return mgr, get_kv_class(backend, KVClassType.SENDER if mode == "prefill" else KVClassType.RECEIVER), kv, aux
 
 
+def failure(room: Any) -> str:
+    """What the scheduler logs for a failed room: ``failure_exception()`` must raise, with the reason."""
+    try:
+        room.failure_exception()
+    except Exception as exc:
+        return f"Failed: {exc}"
+    return "Failed: (failure_exception did not raise)"
+
+
 def run_prefill(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any, sender_cls: Any) -> dict[str, Any]:
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -174,12 +183,7 @@ def run_prefill(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any
         for room, poll in zip(live, polls, strict=True):
             spec, sender = rooms[room], senders[room]
             if poll == KVPoll.Failed:
-                try:
-                    sender.failure_exception()
-                    results[room] = "Failed: (failure_exception did not raise)"
-                except Exception as exc:
-                    results[room] = f"Failed: {exc}"
-                failed_at[room] = time.time()
+                results[room], failed_at[room] = failure(sender), time.time()
                 sender.clear()
             elif poll == KVPoll.Success:
                 results[room] = "Success"
@@ -226,12 +230,7 @@ def run_decode(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any,
         for room, poll in zip(live, polls, strict=True):
             spec, receiver = rooms[room], receivers[room]
             if poll == KVPoll.Failed:
-                try:
-                    receiver.failure_exception()
-                    results[room] = "Failed: (failure_exception did not raise)"
-                except Exception as exc:
-                    results[room] = f"Failed: {exc}"
-                failed_at[room] = time.time()
+                results[room], failed_at[room] = failure(receiver), time.time()
                 receiver.clear()
             elif poll == KVPoll.Success:
                 results[room] = "Success"
