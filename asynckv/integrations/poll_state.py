@@ -39,6 +39,10 @@ class PollState:
             elif state > self.state:
                 self.state = int(state)
 
+    def error_text(self) -> str:
+        error = self.error
+        return "failed" if error is None else (str(error) or type(error).__name__)
+
     def raise_failure(self, what: str, error_type: type[Exception] = RuntimeError) -> None:
         """Raise ``error_type`` with the reason (the room's exception as its cause)."""
         error = self.error

@@ -16,7 +16,10 @@ this rank's TP size and rank (a scheduler reads them from the process groups it 
 
 A plan is a list of rooms: ``{"room", "src", "dst", "chunk", "src_aux", "dst_aux", "abort"}`` where
 ``abort`` is ``"prefill"``, ``"decode"`` or null; ``"hold": true`` at the top makes prefill never
-send (it holds every room until it is killed). Each rank prints JSON lines: ``{"ready": ...}``,
+send (it holds every room until it is killed); ``"sglang_failure_path": true`` gives a failed
+room only ``failure_exception()``, no ``clear()``, as SGLang's queues do (0.5.10 prefill.py:630,
+decode.py:1066; 0.5.23 prefill.py:1236 and handle_bootstrap_failure). Each rank prints JSON lines:
+``{"ready": ...}``,
 then ``{"rank", "results": {room: "Success" | "Failed: <reason>"}, "failed_at": {room: unix time},
 "bad_pages", "untouched", "room_counts"}``.
 """
@@ -107,8 +110,47 @@ def classes() -> dict[str, Any]:
     bound = {m.__name__: m.get_kv_class(backend, KVClassType.MANAGER).__module__
              for m in (prefill, decode, disagg_service)}
     nixl = get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER)
-    return {"before": before, "classes": found, "bound": bound, "nixl": f"{nixl.__module__}.{nixl.__qualname__}",
-            "choices": list(DISAGG_TRANSFER_BACKEND_CHOICES), "member": backend.name}
+    return {"checks": settings_checks(), "before": before, "classes": found, "bound": bound,
+            "nixl": f"{nixl.__module__}.{nixl.__qualname__}", "choices": list(DISAGG_TRANSFER_BACKEND_CHOICES),
+            "member": backend.name}
+
+
+def settings_checks() -> dict[str, Any]:
+    """What the adapter makes of SGLang's inputs that the replayed sequences do not reach."""
+    import types
+
+    from asynckv.integrations.sglang.backend import AsynckvKVSender
+    from asynckv.integrations.sglang.settings import as_state_indices, refuse_unsupported
+
+    def refused(env: dict[str, str], **fields: Any) -> str:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            refuse_unsupported(types.SimpleNamespace(**fields), True)
+            return ""
+        except Exception as exc:
+            return str(exc)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    try:
+        as_state_indices([[1], [2]])
+        two_kinds = ""
+    except Exception as exc:
+        two_kinds = str(exc)
+    return {
+        "state_0510": as_state_indices([3, 4]).tolist(), "state_0523": as_state_indices([[3, 4]]).tolist(),
+        "state_empty": as_state_indices([]), "state_two_kinds": two_kinds,
+        "empty_last_chunk": AsynckvKVSender.should_send_kv_chunk(None, 0, True),
+        "empty_middle_chunk": AsynckvKVSender.should_send_kv_chunk(None, 0, False),
+        "early_send": refused({"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "1"}),
+        "round_robin": refused({}, dp_size=2, load_balance_method="round_robin"),
+        "follow": refused({}, dp_size=2, load_balance_method="follow_bootstrap_room"),
+    }
 
 
 def bootstrap(port: int) -> None:
@@ -184,7 +226,8 @@ def run_prefill(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any
             spec, sender = rooms[room], senders[room]
             if poll == KVPoll.Failed:
                 results[room], failed_at[room] = failure(sender), time.time()
-                sender.clear()
+                if not plan.get("sglang_failure_path"):  # (SGLang itself only calls failure_exception())
+                    sender.clear()
             elif poll == KVPoll.Success:
                 results[room] = "Success"
                 sender.clear()
@@ -231,7 +274,8 @@ def run_decode(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any,
             spec, receiver = rooms[room], receivers[room]
             if poll == KVPoll.Failed:
                 results[room], failed_at[room] = failure(receiver), time.time()
-                receiver.clear()
+                if not plan.get("sglang_failure_path"):  # (SGLang 0.5.10 only calls failure_exception())
+                    receiver.clear()
             elif poll == KVPoll.Success:
                 results[room] = "Success"
                 for b, buf in enumerate(kv):

@@ -94,6 +94,12 @@ async def test_get_kv_class_returns_asynckvs_classes_only_after_install(sglang_b
     assert set(out["bound"].values()) == {"asynckv.integrations.sglang.backend"}  # the importers' bindings too
     assert out["nixl"].endswith("NixlKVManager") and out["nixl"].startswith("sglang.")  # the others are untouched
     assert "asynckv" in out["choices"] and out["member"] == "ASYNCKV"
+    checks = out["checks"]  # (what the replayed sequences do not reach)
+    assert checks["state_0510"] == checks["state_0523"] == [3, 4] and checks["state_empty"] is None
+    assert "2 state kinds" in checks["state_two_kinds"]
+    assert checks["empty_last_chunk"] is True and checks["empty_middle_chunk"] is False
+    assert "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX" in checks["early_send"]
+    assert "follow_bootstrap_room" in checks["round_robin"] and checks["follow"] == ""
 
 
 async def test_the_launcher_offers_the_backend_on_sglangs_own_command_line(sglang_backend_python: pathlib.Path) -> None:
@@ -154,3 +160,18 @@ async def test_a_killed_prefill_fails_decodes_rooms_with_a_reason_within_the_hea
         assert took < bound, (key, took)
     for out in outs:
         assert all(v == 0 for v in out["room_counts"].values()), out["room_counts"]
+
+
+async def test_failed_rooms_leave_nothing_when_the_scheduler_only_calls_failure_exception(
+        sglang_backend_python: pathlib.Path) -> None:
+    """SGLang never calls ``clear()`` on a Failed room in its prefill queues (0.5.10 and 0.5.23) nor in
+    0.5.10's decode queues: it calls ``failure_exception()`` and drops the sender/receiver (stock
+    backends clear in ``failure_exception()``). Nothing may be left in either manager."""
+    rooms = [room(31, [9, 10], [6, 8], 1, (4, 3), abort="decode"), room(32, [11], [10], 1, (5, 4), abort="prefill")]
+    plan = {"rooms": rooms, "sglang_failure_path": True}
+    async with cluster(sglang_backend_python, plan, plan) as (prefill, decode):
+        outs = [await json_line(p, 120) for p in prefill + decode]
+    for out in outs:
+        assert all(v.startswith("Failed") for v in out["results"].values()), out
+    for out in outs:
+        assert all(v == 0 for v in out["room_counts"].values()), (out["rank"], out["room_counts"])

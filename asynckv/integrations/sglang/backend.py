@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import (
@@ -18,8 +18,6 @@ from sglang.srt.disaggregation.base.conn import (
 
 from ...config import Config
 from ...errors import AsyncKVError
-from ...layout import KVArgs as AsynckvArgs
-from ...layout import MemKind, StateType
 from ...proto.states import KVPoll as Poll
 from ...service.bootstrap import BootstrapServer
 from ...service.manager import KVManager, Mode
@@ -27,6 +25,7 @@ from ...service.receiver import KVReceiver
 from ...service.sender import KVSender
 from ..loop_thread import LoopThread
 from ..poll_state import PollState
+from .settings import as_state_indices, asynckv_args, bootstrap_host, client_host, local_ip, refuse_unsupported
 
 __all__ = [
     "CLASSES",
@@ -44,78 +43,16 @@ START_TIMEOUT_S = 120.0
 
 
 class SglangTransferError(RuntimeError):
-    """What ``failure_exception()`` raises: asynckv's reason, with its exception as the cause."""
+    """What ``failure_exception()`` raises: asynckv's reason, with its exception as the cause.
+    ``failure_reason`` and ``is_from_another_rank`` are what SGLang 0.5.23 reads to log it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.failure_reason = message
+        self.is_from_another_rank = "another TP rank" in message
 
 
 # -- the manager -----------------------------------------------------------------------------
-
-
-def _parallelism(server_args: Any) -> tuple[int, int, int, int]:
-    """(attention TP size, attention TP rank, attention DP size, attention DP rank) of this rank, as
-    SGLang's own accessors say: 0.5.23's runtime context, 0.5.10's ``dp_attention`` functions (which
-    read the process groups the scheduler made)."""
-    try:
-        from sglang.srt import runtime_context
-    except ImportError:
-        from sglang.srt.layers import dp_attention
-
-        return (dp_attention.get_attention_tp_size(), dp_attention.get_attention_tp_rank(),
-                dp_attention.get_attention_dp_size(), dp_attention.get_attention_dp_rank())
-    p = runtime_context.get_parallel()
-    return int(p.attn_tp_size), int(p.attn_tp_rank), int(p.attn_dp_size), int(p.attn_dp_rank)
-
-
-def _state(args: Any) -> tuple[str, list[int], list[int], list[int], Any]:
-    """(type, pointers, lengths, item lengths, dims) of the hybrid state: 0.5.10 has one state kind
-    (``state_type``); 0.5.23 lists several (``state_types``, lists of lists), taken when it is one."""
-    if hasattr(args, "state_types"):  # SGLang 0.5.23
-        kinds = [str(getattr(k, "value", k)) for k in (getattr(args, "state_types", None) or [])]
-        if not kinds:
-            return "none", [], [], [], None
-        if len(kinds) > 1:
-            raise AsyncKVError(f"state_types {kinds}: more than one hybrid state kind per rank is not supported by "
-                               f"asynckv's SGLang backend")
-        dims = (getattr(args, "state_dim_per_tensor", None) or [None])[0]
-        return (kinds[0], list(args.state_data_ptrs[0]), list(args.state_data_lens[0]), list(args.state_item_lens[0]),
-                dims)
-    kind = getattr(args, "state_type", "none") or "none"
-    return (kind, list(getattr(args, "state_data_ptrs", []) or []), list(getattr(args, "state_data_lens", []) or []),
-            list(getattr(args, "state_item_lens", []) or []), getattr(args, "state_dim_per_tensor", None))
-
-
-def asynckv_args(args: Any, server_args: Any, is_mla: bool) -> AsynckvArgs:
-    """SGLang's ``KVArgs`` (plain attributes the scheduler set; 0.5.10's or 0.5.23's) as asynckv's."""
-    tp_size, tp_rank, dp_size, dp_rank = _parallelism(server_args)
-    mem_kind = cast(MemKind, os.environ.get("ASYNCKV_MEM_KIND") or _memory_kind())
-    kind, state_ptrs, state_lens, state_items, state_dims = _state(args)
-    state_type = cast(StateType, kind)  # (KVArgs checks both)
-    layer_ids = getattr(args, "kv_layer_ids", None)
-    return AsynckvArgs(
-        kv_data_ptrs=list(args.kv_data_ptrs), kv_data_lens=list(args.kv_data_lens),
-        kv_item_lens=list(args.kv_item_lens), page_size=int(args.page_size),
-        aux_data_ptrs=list(args.aux_data_ptrs), aux_data_lens=list(args.aux_data_lens),
-        aux_item_lens=list(args.aux_item_lens), engine_rank=tp_rank, tp_size=tp_size,
-        pp_rank=int(getattr(args, "pp_rank", 0) or 0), pp_size=int(getattr(server_args, "pp_size", 1) or 1),
-        dp_rank=dp_rank, dp_size=dp_size, gpu_id=int(getattr(args, "gpu_id", 0) or 0), mem_kind=mem_kind,
-        is_mla=bool(is_mla), kv_head_num=int(getattr(args, "kv_head_num", 1) or 1),
-        total_kv_head_num=int(getattr(args, "total_kv_head_num", 1) or 1),
-        kv_dtype=str(getattr(server_args, "kv_cache_dtype", "auto")),
-        kv_layer_ids=list(layer_ids) if layer_ids else None,
-        prefill_start_layer=int(getattr(args, "prefill_start_layer", 0) or 0), state_type=state_type,
-        state_data_ptrs=state_ptrs, state_data_lens=state_lens, state_item_lens=state_items,
-        state_dim_per_tensor=state_dims if state_type == "mamba" else None)
-
-
-def _memory_kind() -> str:
-    try:
-        import torch
-    except ImportError:
-        return "DRAM"
-    return "VRAM" if torch.cuda.is_available() else "DRAM"
-
-
-def _client_host(host: str) -> str:
-    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
 class _PrefillInfo:
@@ -140,9 +77,10 @@ class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
         self.disaggregation_mode = disaggregation_mode
         self.thread = LoopThread.shared()
         prefill = getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill"
-        host = os.environ.get("ASYNCKV_HOST") or _local_ip()
+        refuse_unsupported(server_args, prefill)
+        host = os.environ.get("ASYNCKV_HOST") or local_ip()
         config = Config.from_env(host=host, host_bootstrap=False)
-        bootstrap = f"{_client_host(_bootstrap_host(server_args))}:{server_args.disaggregation_bootstrap_port}"
+        bootstrap = f"{client_host(bootstrap_host(server_args))}:{server_args.disaggregation_bootstrap_port}"
         self.manager = KVManager(Mode.PREFILL if prefill else Mode.DECODE,
                                  asynckv_args(args, server_args, self.is_mla_backend),
                                  bootstrap_addr=bootstrap if prefill else None, config=config)
@@ -151,13 +89,22 @@ class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
         """Decode: prefill instances looked up (SGLang's decode scheduler reads ``dp_size`` and
         ``follow_bootstrap_room`` from it)."""
         self._looking_up: set[str] = set()
-        self._lookup_errors: dict[str, BaseException] = {}
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         """SGLang 0.5.23 compares a checksum prefill computed over its KV with one over ours: only
         comparable when both sides hold the same heads (equal TP)."""
         info = self.prefill_info_table.get(bootstrap_addr)
         return info is not None and info.tp_size == self.manager.kv_args.tp_size
+
+    def misrouted(self, room: int) -> str:
+        """Why a prefill request of ``room`` cannot be served on this DP rank ("" if it can): asynckv's
+        decode sends room r to DP rank r % dp_size (SGLang's ``follow_bootstrap_room``)."""
+        a = self.manager.kv_args
+        if a.dp_size > 1 and room % a.dp_size != a.dp_rank:
+            return (f"room {room} reached prefill DP rank {a.dp_rank}; asynckv's decode sends it to DP rank "
+                    f"{room % a.dp_size} (room % dp_size): route prefill requests with --load-balance-method "
+                    f"follow_bootstrap_room")
+        return ""
 
     def register_to_bootstrap(self) -> None:
         """Done by the prefill manager when it starts (and renewed until it closes)."""
@@ -182,15 +129,16 @@ class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
             error = task.exception()
             if error is None:
                 self.prefill_info_table[addr] = _PrefillInfo(task.result().dp_size, task.result().tp_size)
-            else:
-                self._lookup_errors[addr] = error
+            else:  # (SGLang calls again, and gives up after its retries)
                 log.warning("prefill at %s: %s", addr, error)
 
         task.add_done_callback(done)
 
     enable_deferred_decode_kv_release = False
-    """SGLang 0.5.23's deferred release of an aborted room's pages is not needed: asynckv reports a
-    room Failed only once no prefill can still write into its pages (its fence)."""
+    """SGLang 0.5.23's deferred release of an aborted room's pages is not implemented. A room this rank
+    fails or aborts polls Failed only after asynckv's fence; a room another TP rank failed first reaches
+    this rank through the MIN-reduce and is aborted by ``failure_exception()``, but SGLang gives its
+    pages back before that abort's fence (docs/integration.md, limits)."""
 
     def close(self) -> None:
         """Close the asynckv manager (SGLang 0.5.23 calls ``teardown()``; 0.5.10 has no such call)."""
@@ -198,21 +146,6 @@ class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
 
     def teardown(self) -> None:
         self.close()
-
-
-def _bootstrap_host(server_args: Any) -> str:
-    dist = getattr(server_args, "dist_init_addr", None)
-    if dist:  # multi-node: the bootstrap server runs on the node of dist_init_addr (as SGLang's does)
-        return str(dist).rsplit(":", 1)[0].strip("[]")
-    return str(server_args.host)
-
-
-def _local_ip() -> str:
-    try:
-        from sglang.srt.utils import get_local_ip_auto
-    except ImportError:
-        return "127.0.0.1"
-    return str(get_local_ip_auto())
 
 
 # -- senders and receivers -----------------------------------------------------------------------
@@ -231,6 +164,13 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
         self._room = PollState()
         self._view: KVSender | None = None
         self._prefix_taken = False
+        self._cleared = False
+        self._early: list[tuple[Any, tuple[Any, ...]]] | None = []
+        """Calls that need the room ready, made before it was (a PP stage > 0 polls through stage 0):
+        run once it is."""
+        misrouted = mgr.misrouted(bootstrap_room)
+        if misrouted:
+            self._room.advance(Poll.Failed, AsyncKVError(misrouted))
         mgr.thread.submit(self._open)
 
     def _open(self) -> None:
@@ -239,20 +179,38 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
         except Exception as exc:
             self._room.advance(Poll.Failed, exc)
             return
-        view.on_ready(lambda poll: self._room.advance(int(poll), view.failure_exception()))
+        if self._room.state == Poll.Failed:  # (misrouted: the decode is told at once)
+            view.abort(self._room.error_text())
+        view.on_ready(self._on_ready)
         view.on_done(lambda poll: self._room.advance(int(poll), view.failure_exception()))
 
-    def _on_loop(self, fn: Any, *args: Any) -> None:
-        """Run ``fn(view, *args)`` on the loop; an error fails the room with it."""
+    def _on_ready(self, poll: Any) -> None:
+        view = self._view
+        if view is None:
+            return
+        self._room.advance(int(poll), view.failure_exception())
+        early, self._early = self._early, None
+        for fn, args in early or ():
+            self._call(view, fn, args)
+
+    def _call(self, view: KVSender, fn: Any, args: tuple[Any, ...]) -> None:
+        try:
+            fn(view, *args)
+        except Exception as exc:
+            self._room.advance(Poll.Failed, exc)
+            view.abort(str(exc))
+
+    def _on_loop(self, fn: Any, *args: Any, when_ready: bool = False) -> None:
+        """Run ``fn(view, *args)`` on the loop, in call order (``when_ready``: not before the room is
+        ready); an error fails the room with it."""
         def run() -> None:
             view = self._view
             if view is None:
                 return  # (the room failed to open: poll() says Failed already)
-            try:
-                fn(view, *args)
-            except Exception as exc:
-                self._room.advance(Poll.Failed, exc)
-                view.abort(str(exc))
+            if self._early is not None and (when_ready or self._early):
+                self._early.append((fn, args))  # (and every later call, to keep their order)
+                return
+            self._call(view, fn, args)
 
         self.mgr.thread.submit(run)
 
@@ -262,8 +220,18 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None) -> None:
         self._room.advance(Poll.Transferring)
         pages = np.asarray(kv_indices, dtype=np.int64).copy()  # (the scheduler may reuse its array)
-        state = None if state_indices is None else np.asarray(state_indices, dtype=np.int64).copy()
-        self._on_loop(KVSender.send_nowait, pages, state)
+        try:
+            state = as_state_indices(state_indices)
+        except AsyncKVError as exc:  # (never raised into the scheduler: the room fails with it)
+            self._room.advance(Poll.Failed, exc)
+            self._on_loop(KVSender.abort, str(exc))
+            return
+        self._on_loop(KVSender.send_nowait, pages, state, when_ready=True)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """SGLang 0.5.23 skips a chunk this says no to: an empty last chunk still goes (it carries
+        the aux row and state, and concludes the room when decode already holds every page)."""
+        return num_pages > 0 or last_chunk
 
     def poll(self) -> int:
         return self._room.state
@@ -283,14 +251,20 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
         return KVTransferMetric()
 
     def failure_exception(self) -> None:
+        """Raise the reason; SGLang drops a failed request after this without calling ``clear()``, so
+        the room is cleared here (a room still open on this rank, failed by another TP rank, is
+        aborted by it)."""
+        self.clear()
         self._room.raise_failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
 
     def abort(self) -> None:
-        self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))
-        self._on_loop(KVSender.abort, "aborted by the scheduler")
+        self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))  # (prefill's own pages:
+        self._on_loop(KVSender.abort, "aborted by the scheduler")  # nothing is written into them)
 
     def clear(self) -> None:
-        self._on_loop(KVSender.clear)
+        if not self._cleared:
+            self._cleared = True
+            self._on_loop(KVSender.clear)
 
 
 class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
@@ -309,6 +283,7 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self.bootstrap_room = int(bootstrap_room or 0)
         self._room = PollState()
         self._view: KVReceiver | None = None
+        self._cleared = False
         mgr.thread.submit(self._open)
 
     def _open(self) -> None:
@@ -339,7 +314,11 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
                       decode_prefix_len: int | None = None, destination: Any = None) -> None:
         self._room.advance(Poll.Transferring)
         pages = np.asarray(kv_indices, dtype=np.int64).copy()
-        state = None if state_indices is None else np.asarray(state_indices, dtype=np.int64).copy()
+        try:
+            state = as_state_indices(state_indices)
+        except AsyncKVError as exc:
+            self._room.advance(Poll.Failed, exc)  # (nothing was sent: no prefill writes into it)
+            return
         aux = -1 if aux_index is None else int(aux_index)
         if destination is not None and str(getattr(destination, "value", destination)) != "device":
             self._room.advance(Poll.Failed, AsyncKVError(f"destination {destination}: asynckv writes device "
@@ -348,7 +327,7 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self.mgr.thread.submit(self._start, pages, aux, state, int(decode_prefix_len or 0))
 
     @property
-    def conclude_state(self) -> int | None:
+    def concludehybrid_state(self) -> int | None:
         """The outcome once decided (SGLang 0.5.23 reads it), else None."""
         state = self._room.state
         return state if state in (Poll.Success, Poll.Failed) else None
@@ -369,17 +348,29 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         return self._room.state
 
     def failure_exception(self) -> None:
+        """Raise the reason. SGLang gives the pages back after this, without calling ``clear()`` (0.5.10):
+        the room is cleared here; one still open on this rank (failed by another TP rank) is aborted by
+        it, so its prefill stops writing (see docs/integration.md for the window that leaves)."""
+        self.clear()
         self._room.raise_failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
 
     def abort(self) -> None:
-        self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))
+        """Fail the room on both sides. ``poll()`` says Failed only once asynckv fenced it (no prefill
+        can still write into its pages): SGLang gives the pages back as soon as it reads Failed."""
         self.mgr.thread.submit(self._abort)
 
     def _abort(self) -> None:
-        if self._view is not None:
-            self._view.abort_nowait("aborted by the scheduler")
+        view = self._view
+        if view is None:
+            self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))
+            return
+        view.on_done(lambda poll: self._room.advance(int(poll), view.failure_exception()))
+        view.abort_nowait("aborted by the scheduler")
 
     def clear(self) -> None:
+        if self._cleared:
+            return
+        self._cleared = True
         self.mgr.thread.submit(self._clear)
 
     def _clear(self) -> None:
