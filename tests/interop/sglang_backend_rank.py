@@ -258,6 +258,8 @@ def run_decode(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any,
     metadata: dict[int, int] = {}  # room -> iteration its metadata went
     results: dict[int, str] = {}
     failed_at: dict[int, float] = {}
+    fenced_at_failure: dict[int, bool] = {}
+    fenced_later: dict[int, bool] = {}
     bad_pages, iteration = 0, 0
     deadline = time.monotonic() + SECONDS
     while len(results) < len(rooms) and time.monotonic() < deadline:
@@ -274,6 +276,13 @@ def run_decode(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any,
             spec, receiver = rooms[room], receivers[room]
             if poll == KVPoll.Failed:
                 results[room], failed_at[room] = failure(receiver), time.time()
+                fenced_at_failure[room] = mgr.is_abort_release_safe(room, len(receiver.bootstrap_infos))
+                if not fenced_at_failure[room]:  # 0.5.23's deferred release: hold the pages until it is
+                    receiver.ensure_abort_notified(force_arm=True)
+                    held_until = time.monotonic() + 10
+                    while not mgr.is_abort_release_safe(room, 1) and time.monotonic() < held_until:
+                        time.sleep(0.005)
+                    fenced_later[room] = mgr.is_abort_release_safe(room, 1)
                 if not plan.get("sglang_failure_path"):  # (SGLang 0.5.10 only calls failure_exception())
                     receiver.clear()
             elif poll == KVPoll.Success:
@@ -292,7 +301,8 @@ def run_decode(rank: int, group: Any, boot: str, plan: dict[str, Any], mgr: Any,
         time.sleep(0.002)
     written = {d for r in rooms.values() if results.get(r["room"]) == "Success" for d in r["dst"]}
     untouched = all(not buf[[p for p in range(PAGES) if p not in written]].any() for buf in kv)
-    return {"results": results, "failed_at": failed_at, "bad_pages": bad_pages, "untouched": untouched}
+    return {"results": results, "failed_at": failed_at, "bad_pages": bad_pages, "untouched": untouched,
+            "fenced_at_failure": fenced_at_failure, "fenced_later": fenced_later}
 
 
 def poll_bench(queued: int, iterations: int) -> dict[str, Any]:

@@ -139,6 +139,10 @@ async def test_sglang_schedulers_move_pages_over_asynckv_with_two_tp_ranks_a_sid
             assert any("aborted" in out["results"][str(aborted)] for out in side), side
     for out in outs[2:]:  # decode ranks: each rank's heads landed where they belong, nothing else written
         assert out["bad_pages"] == 0 and out["untouched"], out
+        for key, result in out["results"].items():  # a failure this rank saw itself reads Failed after its
+            if "another TP rank" not in result and result != "Success":  # fence; one seen first elsewhere
+                assert out["fenced_at_failure"][key], (key, result)  # is held (0.5.23's deferred release)
+        assert all(out["fenced_later"].values()), out["fenced_later"]  # until its fence
 
 
 async def test_a_killed_prefill_fails_decodes_rooms_with_a_reason_within_the_heartbeat_bound(

@@ -36,9 +36,8 @@ from .backend import (
     AsynckvKVManager,
     AsynckvKVReceiver,
     AsynckvKVSender,
-    SglangTransferError,
-    asynckv_args,
 )
+from .settings import SglangTransferError, asynckv_args
 
 __all__ = [
     "BACKEND",

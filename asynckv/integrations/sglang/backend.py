@@ -25,7 +25,16 @@ from ...service.receiver import KVReceiver
 from ...service.sender import KVSender
 from ..loop_thread import LoopThread
 from ..poll_state import PollState
-from .settings import as_state_indices, asynckv_args, bootstrap_host, client_host, local_ip, refuse_unsupported
+from .settings import (
+    PrefillInfo,
+    SglangTransferError,
+    as_state_indices,
+    asynckv_args,
+    bootstrap_host,
+    client_host,
+    local_ip,
+    refuse_unsupported,
+)
 
 __all__ = [
     "CLASSES",
@@ -33,8 +42,6 @@ __all__ = [
     "AsynckvKVManager",
     "AsynckvKVReceiver",
     "AsynckvKVSender",
-    "SglangTransferError",
-    "asynckv_args",
 ]
 
 log = logging.getLogger("asynckv.sglang")
@@ -42,28 +49,7 @@ log = logging.getLogger("asynckv.sglang")
 START_TIMEOUT_S = 120.0
 
 
-class SglangTransferError(RuntimeError):
-    """What ``failure_exception()`` raises: asynckv's reason, with its exception as the cause.
-    ``failure_reason`` and ``is_from_another_rank`` are what SGLang 0.5.23 reads to log it."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.failure_reason = message
-        self.is_from_another_rank = "another TP rank" in message
-
-
 # -- the manager -----------------------------------------------------------------------------
-
-
-class _PrefillInfo:
-    """What SGLang's decode scheduler reads from ``prefill_info_table``."""
-
-    __slots__ = ("dp_size", "follow_bootstrap_room", "tp_size")
-
-    def __init__(self, dp_size: int, tp_size: int) -> None:
-        self.dp_size = dp_size
-        self.tp_size = tp_size
-        self.follow_bootstrap_room = True  # asynckv routes room r to DP rank r % dp_size
 
 
 class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
@@ -85,10 +71,12 @@ class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
                                  asynckv_args(args, server_args, self.is_mla_backend),
                                  bootstrap_addr=bootstrap if prefill else None, config=config)
         self.thread.run(self.manager.start(), START_TIMEOUT_S)
-        self.prefill_info_table: dict[str, _PrefillInfo] = {}
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
         """Decode: prefill instances looked up (SGLang's decode scheduler reads ``dp_size`` and
         ``follow_bootstrap_room`` from it)."""
         self._looking_up: set[str] = set()
+        self.receivers: dict[int, AsynckvKVReceiver] = {}
+        """Decode: this rank's receivers by room, until cleared (for ``is_abort_release_safe``)."""
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         """SGLang 0.5.23 compares a checksum prefill computed over its KV with one over ours: only
@@ -128,17 +116,24 @@ class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
                 return
             error = task.exception()
             if error is None:
-                self.prefill_info_table[addr] = _PrefillInfo(task.result().dp_size, task.result().tp_size)
+                self.prefill_info_table[addr] = PrefillInfo(task.result().dp_size, task.result().tp_size)
             else:  # (SGLang calls again, and gives up after its retries)
                 log.warning("prefill at %s: %s", addr, error)
 
         task.add_done_callback(done)
 
-    enable_deferred_decode_kv_release = False
-    """SGLang 0.5.23's deferred release of an aborted room's pages is not implemented. A room this rank
-    fails or aborts polls Failed only after asynckv's fence; a room another TP rank failed first reaches
-    this rank through the MIN-reduce and is aborted by ``failure_exception()``, but SGLang gives its
-    pages back before that abort's fence (docs/integration.md, limits)."""
+    enable_deferred_decode_kv_release = True
+    """With SGLang 0.5.23's ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1``, SGLang holds a failed
+    room's pages until ``is_abort_release_safe`` (asynckv's fence): also a room another TP rank failed
+    first, which this rank aborts when it learns of it (docs/integration.md)."""
+
+    def is_abort_release_safe(self, room: int, required_acks: int = 0) -> bool:
+        """Whether no prefill can still write into ``room``'s pages on this rank (its fence)."""
+        receiver = self.receivers.get(room)
+        return receiver is None or receiver.fenced
+
+    def clear_deferred_abort_state(self, room: int) -> None:
+        """SGLang 0.5.23 released the pages: the room is cleared already, or when ``clear()`` comes."""
 
     def close(self) -> None:
         """Close the asynckv manager (SGLang 0.5.23 calls ``teardown()``; 0.5.10 has no such call)."""
@@ -268,13 +263,17 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
 
 
 class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
-    """The decode side of one request; every call returns at once (the loop does the work)."""
+    """The decode side of one request; every call returns at once (the loop does the work).
+
+    SGLang gives a room's pages back as soon as ``poll()`` (MIN over the TP group) says Failed, so
+    this rank's own failures and aborts read Failed only once asynckv fenced the room (``fenced``:
+    no prefill can still write into its pages). 0.5.23's deferred release asks for exactly that
+    (``ensure_abort_notified``, ``kv_mgr.is_abort_release_safe``) when a room failed elsewhere first."""
 
     require_staging = False
     """SGLang's decode scheduler reads it: asynckv never stages."""
-    abort_notified = False
-    """SGLang 0.5.23's deferred release reads it (never armed: see ``enable_deferred_decode_kv_release``)."""
-    bootstrap_infos: tuple[Any, ...] = ()
+    bootstrap_infos = (None,)
+    """SGLang 0.5.23 waits for ``len(bootstrap_infos)`` acknowledgements of an abort: the fence is one."""
 
     def __init__(self, mgr: AsynckvKVManager, bootstrap_addr: str, bootstrap_room: int | None = None,
                  prefill_dp_rank: int | None = None) -> None:
@@ -284,13 +283,29 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._room = PollState()
         self._view: KVReceiver | None = None
         self._cleared = False
+        self._clear_when_fenced = False
+        self.abort_notified = False
+        """An abort of this rank's room was started (SGLang 0.5.23 reads it)."""
+        self.fenced = False
+        """The room's outcome is decided and no prefill can still write into its pages."""
+        mgr.receivers[self.bootstrap_room] = self
         mgr.thread.submit(self._open)
 
     def _open(self) -> None:
         try:
-            self._view = self.mgr.manager.receiver(self.bootstrap_addr, self.bootstrap_room)
+            view = self._view = self.mgr.manager.receiver(self.bootstrap_addr, self.bootstrap_room)
         except Exception as exc:
             self._room.advance(Poll.Failed, exc)
+            self.fenced = True
+            return
+        view.on_done(self._on_done)
+
+    def _on_done(self, poll: Any) -> None:
+        view = self._view
+        self._room.advance(int(poll), None if view is None else view.failure_exception())
+        self.fenced = True
+        if self._clear_when_fenced:
+            self._clear()
 
     def init(self, prefill_dp_rank: int | None = None) -> None:
         """Look the prefill up (asynckv maps the room to its DP rank itself); WaitingForInput follows."""
@@ -302,32 +317,37 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
 
         def done(task: Any) -> None:
             if task.cancelled():
-                self._room.advance(Poll.Failed, AsyncKVError("look-up cancelled"))
+                self._fail_unsent(AsyncKVError("look-up cancelled"))
             elif task.exception() is not None:
-                self._room.advance(Poll.Failed, task.exception())
+                self._fail_unsent(task.exception())
             else:
                 self._room.advance(Poll.WaitingForInput)
 
         task.add_done_callback(done)
 
+    def _fail_unsent(self, error: BaseException) -> None:
+        """Fail a room whose destination never went out (no prefill writes into it: fenced already)."""
+        self._room.advance(Poll.Failed, error)
+        if self._view is not None:
+            self._view.abort_nowait(str(error))
+
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
                       decode_prefix_len: int | None = None, destination: Any = None) -> None:
         self._room.advance(Poll.Transferring)
         pages = np.asarray(kv_indices, dtype=np.int64).copy()
+        aux = -1 if aux_index is None else int(aux_index)
         try:
             state = as_state_indices(state_indices)
+            if destination is not None and str(getattr(destination, "value", destination)) != "device":
+                raise AsyncKVError(f"destination {destination}: asynckv writes device (pool) pages only; host "
+                                   f"destinations are not supported")
         except AsyncKVError as exc:
-            self._room.advance(Poll.Failed, exc)  # (nothing was sent: no prefill writes into it)
-            return
-        aux = -1 if aux_index is None else int(aux_index)
-        if destination is not None and str(getattr(destination, "value", destination)) != "device":
-            self._room.advance(Poll.Failed, AsyncKVError(f"destination {destination}: asynckv writes device "
-                                                         f"(pool) pages only; host destinations are not supported"))
+            self.mgr.thread.submit(self._fail_unsent, exc)
             return
         self.mgr.thread.submit(self._start, pages, aux, state, int(decode_prefix_len or 0))
 
     @property
-    def concludehybrid_state(self) -> int | None:
+    def conclude_state(self) -> int | None:
         """The outcome once decided (SGLang 0.5.23 reads it), else None."""
         state = self._room.state
         return state if state in (Poll.Success, Poll.Failed) else None
@@ -338,44 +358,54 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             return
         try:
             view.init_nowait(pages, aux, state, prefix)
-        except Exception as exc:
-            self._room.advance(Poll.Failed, exc)
-            view.abort_nowait(str(exc))
-            return
-        view.on_done(lambda poll: self._room.advance(int(poll), view.failure_exception()))
+        except Exception as exc:  # (refused before anything went out: failed at once)
+            self._fail_unsent(exc)
 
     def poll(self) -> int:
         return self._room.state
 
     def failure_exception(self) -> None:
-        """Raise the reason. SGLang gives the pages back after this, without calling ``clear()`` (0.5.10):
-        the room is cleared here; one still open on this rank (failed by another TP rank) is aborted by
-        it, so its prefill stops writing (see docs/integration.md for the window that leaves)."""
-        self.clear()
+        """Raise the reason. SGLang drops a failed request after this without ``clear()`` (0.5.10): the
+        room is cleared here, once fenced; one still open on this rank (another TP rank failed it
+        first) is aborted by it, so its prefill stops writing (docs/integration.md, limits)."""
+        self.ensure_abort_notified()
         self._room.raise_failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
 
-    def abort(self) -> None:
-        """Fail the room on both sides. ``poll()`` says Failed only once asynckv fenced it (no prefill
-        can still write into its pages): SGLang gives the pages back as soon as it reads Failed."""
-        self.mgr.thread.submit(self._abort)
+    def ensure_abort_notified(self, force_arm: bool = False) -> None:
+        """Abort this rank's room if it is still open, and clear it once fenced (SGLang 0.5.23 calls
+        this before holding the pages until ``kv_mgr.is_abort_release_safe``)."""
+        self.abort_notified = True
+        self.mgr.thread.submit(self._abort, True)
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """Fail the room on both sides; ``poll()`` says Failed once asynckv fenced it."""
+        self.abort_notified = True
+        self.mgr.thread.submit(self._abort, False)
+
+    def _abort(self, then_clear: bool) -> None:
         view = self._view
         if view is None:
-            self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))
+            self._fail_unsent(AsyncKVError("aborted by the scheduler"))
             return
-        view.on_done(lambda poll: self._room.advance(int(poll), view.failure_exception()))
+        if then_clear:
+            self._clear_when_fenced = True
+        if self.fenced:
+            if then_clear:
+                self._clear()
+            return
         view.abort_nowait("aborted by the scheduler")
 
     def clear(self) -> None:
-        if self._cleared:
-            return
-        self._cleared = True
         self.mgr.thread.submit(self._clear)
 
     def _clear(self) -> None:
+        if self._cleared:
+            return
+        self._cleared = True
         if self._view is not None:
             self._view.clear()
+        if self.mgr.receivers.get(self.bootstrap_room) is self:
+            del self.mgr.receivers[self.bootstrap_room]
 
 
 class AsynckvKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]

@@ -1,5 +1,6 @@
-"""What SGLang's objects say about a rank, as asynckv takes it: its ``KVArgs`` (0.5.10's or 0.5.23's),
-its parallelism, its hybrid-state indices, and the settings this backend refuses."""
+"""What SGLang's objects say about a rank, as asynckv takes it (its ``KVArgs``, 0.5.10's or 0.5.23's,
+its parallelism, its hybrid-state indices, the settings this backend refuses), and what SGLang reads
+back (``PrefillInfo``, ``SglangTransferError``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from ...errors import AsyncKVError
 from ...layout import KVArgs as AsynckvArgs
 from ...layout import MemKind, StateType
 
-__all__ = ["asynckv_args", "bootstrap_host", "client_host", "local_ip", "as_state_indices", "refuse_unsupported"]
+__all__ = ["PrefillInfo", "SglangTransferError", "as_state_indices", "asynckv_args", "bootstrap_host", "client_host",
+           "local_ip", "refuse_unsupported"]
 
 
 def parallelism(server_args: Any) -> tuple[int, int, int, int]:
@@ -133,3 +135,24 @@ def local_ip() -> str:
     except ImportError:
         return "127.0.0.1"
     return str(getlocal_ip_auto())
+
+
+class SglangTransferError(RuntimeError):
+    """What ``failure_exception()`` raises: asynckv's reason, with its exception as the cause.
+    ``failure_reason`` and ``is_from_another_rank`` are what SGLang 0.5.23 reads to log it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.failure_reason = message
+        self.is_from_another_rank = "another TP rank" in message
+
+
+class PrefillInfo:
+    """What SGLang's decode scheduler reads from ``prefill_info_table``."""
+
+    __slots__ = ("dp_size", "follow_bootstrap_room", "tp_size")
+
+    def __init__(self, dp_size: int, tp_size: int) -> None:
+        self.dp_size = dp_size
+        self.tp_size = tp_size
+        self.follow_bootstrap_room = True  # asynckv routes room r to DP rank r % dp_size
