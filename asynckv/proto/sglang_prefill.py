@@ -72,9 +72,10 @@ class SglangPrefillCore(PrefillCore):
         decode registers once, so a peer dropped on a NIXL error that sends again is connected anew
         from this (one false death must not wedge the pair until that decode restarts)."""
         self._connecting_infos: dict[str, list[tuple[TransferInfo, str | None]]] = {}
-        self._held_bytes = 0
         """Destinations of decode peers still connecting (SGLang's decode does not wait for an answer to
         its registration: its first transfer info follows at once), replayed once they connected."""
+        self._held_bytes = 0
+        """Bytes of page arrays in ``_connecting_infos`` (bounded by ``max_early_bytes``)."""
 
     # -- messages --------------------------------------------------------------------------
 
