@@ -65,7 +65,7 @@ class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
         prefill = getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill"
         refuse_unsupported(server_args, prefill)
         host = os.environ.get("ASYNCKV_HOST") or local_ip()
-        config = Config.from_env(host=host, host_bootstrap=False)
+        config = Config.from_env(host=host, host_bootstrap=False, wire="asynckv")  # (both sides are asynckv)
         bootstrap = f"{client_host(bootstrap_host(server_args))}:{server_args.disaggregation_bootstrap_port}"
         self.manager = KVManager(Mode.PREFILL if prefill else Mode.DECODE,
                                  asynckv_args(args, server_args, self.is_mla_backend),
@@ -413,7 +413,7 @@ class AsynckvKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
     tokenizer manager)."""
 
     def __init__(self, host: str, port: int) -> None:
-        config = Config.from_env()
+        config = Config.from_env(wire="asynckv")
         self.thread = LoopThread.shared()
         self.server = BootstrapServer(host or "0.0.0.0", port, config.auth_token,
                                       allow_unauthenticated=config.allow_unauthenticated)
