@@ -195,14 +195,14 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
             self._room.advance(Poll.Failed, exc)
             view.abort(str(exc))
 
-    def _on_loop(self, fn: Any, *args: Any, when_ready: bool = False) -> None:
+    def _on_loop(self, fn: Any, *args: Any, when_ready: bool = False, at_once: bool = False) -> None:
         """Run ``fn(view, *args)`` on the loop, in call order (``when_ready``: not before the room is
-        ready); an error fails the room with it."""
+        ready; ``at_once``: ahead of calls waiting for that, as an abort must); an error fails the room."""
         def run() -> None:
             view = self._view
             if view is None:
                 return  # (the room failed to open: poll() says Failed already)
-            if self._early is not None and (when_ready or self._early):
+            if self._early is not None and not at_once and (when_ready or self._early):
                 self._early.append((fn, args))  # (and every later call, to keep their order)
                 return
             self._call(view, fn, args)
@@ -254,12 +254,12 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
 
     def abort(self) -> None:
         self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))  # (prefill's own pages:
-        self._on_loop(KVSender.abort, "aborted by the scheduler")  # nothing is written into them)
+        self._on_loop(KVSender.abort, "aborted by the scheduler", at_once=True)  # nothing is written into them)
 
     def clear(self) -> None:
-        if not self._cleared:
+        if not self._cleared:  # (sends still waiting for readiness then find the room gone: dropped)
             self._cleared = True
-            self._on_loop(KVSender.clear)
+            self._on_loop(KVSender.clear, at_once=True)
 
 
 class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
