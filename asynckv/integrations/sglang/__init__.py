@@ -9,18 +9,22 @@ server, control channel and data plane (none of SGLang's ``Nixl*``/``Common*`` c
 - each scheduler process runs one asynckv ``KVManager`` on a background event-loop thread
   (``LoopThread.shared()``); the bootstrap-server class runs asynckv's ``BootstrapServer`` on
   that thread of the tokenizer process;
-- ``poll()`` returns a value kept current by callbacks on the loop: it reads one attribute, never
-  blocks and takes no lock; it only moves forward (Bootstrapping, WaitingForInput, Transferring,
-  then Success or Failed), so TP ranks converge;
+- ``poll()`` returns a value kept current by callbacks on the loop: it reads one attribute and never
+  blocks (moves take a lock for a few instructions); it only moves forward (Bootstrapping,
+  WaitingForInput, Transferring, then Success or Failed), so TP ranks converge;
 - ``init()``, ``send()``, ``send_metadata()``, ``abort()`` and ``clear()`` hand their work to the
   loop without waiting (in call order); an error there fails the room, with its reason;
-- ``failure_exception()`` raises ``SglangTransferError`` carrying asynckv's exception and reason.
+- ``failure_exception()`` raises ``SglangTransferError`` carrying asynckv's exception and reason, and
+  clears the room (SGLang drops failed requests without ``clear()``);
+- a decode rank's own failure or abort reads Failed only once asynckv fenced the room (SGLang gives
+  the pages back when it reads Failed); 0.5.23's deferred release waits for that fence too.
 
-``install()`` registers the backend in a running SGLang 0.5.10 (enum member, CLI choice,
+``install()`` registers the backend in a running SGLang 0.5.10 or 0.5.23 (enum member, CLI choice,
 ``get_kv_class`` in ``disaggregation/utils.py`` and in the modules that imported it by name).
-SGLang starts its schedulers with ``spawn``: start the server with
-``python -m asynckv.integrations.sglang_server <sglang launch_server args>``, which installs the
-backend in every process it spawns (docs/integration.md).
+SGLang 0.5.23 calls it itself, through asynckv's ``sglang.srt.plugins`` entry point. SGLang 0.5.10
+starts its schedulers with ``spawn``: start the server with ``python -m asynckv.integrations.sglang
+<sglang launch_server args>``, which installs the backend in every process it spawns
+(docs/integration.md).
 """
 
 from __future__ import annotations
