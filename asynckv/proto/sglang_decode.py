@@ -133,6 +133,7 @@ class SglangDecodeCore(Core):
         """This rank's registration (sent once to each prefill rank)."""
         self.rooms: dict[int, ReceiverRoom] = {}
         self.progress: dict[ReceiverRoom, SglangCompletion] = {}
+        """Rooms waiting for their notifications (their destination went out; no outcome yet)."""
         self.writers: dict[ReceiverRoom, str] = {}
         """The agent whose notification a room heard first: the one prefill rank that writes it."""
         self.instances: dict[str, SglangPrefill] = {}
@@ -150,7 +151,7 @@ class SglangDecodeCore(Core):
     # -- the surface the pump drives -------------------------------------------------------
 
     def get_timer(self) -> float | None:
-        times = [t for t in (self.deadlines.next(), self._next_beat if self._watched() else None) if t is not None]
+        times = [t for t in (self.deadlines.next(), self._next_beat if self.progress else None) if t is not None]
         return min(times) if times else None
 
     def handle_timer(self, now: float) -> None:
@@ -169,7 +170,7 @@ class SglangDecodeCore(Core):
 
     def _watched(self) -> set[str]:
         """Bootstrap addresses of prefills that may be writing a room (their health is checked)."""
-        return {room.addr for room in self.progress if room.state is ReceiverState.WAITING}
+        return {room.addr for room in self.progress}
 
     def health_checked(self, addr: str, error: str | None, now: float) -> None:
         """The answer to ``CheckHealth``: None when ``GET /health`` said 200."""
@@ -219,8 +220,8 @@ class SglangDecodeCore(Core):
             self._drop("bad_notification", f"from {agent[:8]}: {exc}")
             return
         room = self.rooms.get(note.room)
-        progress = None if room is None else self.progress.get(room)
-        if room is None or progress is None or room.state is not ReceiverState.WAITING:
+        progress = None if room is None else self.progress.get(room)  # (there only while it waits)
+        if room is None or progress is None:
             if room is not None and room.state is ReceiverState.FAILED:
                 self.stats["late_notification"] += 1
                 log.warning("room %d: SGLang prefill %s wrote into it after it failed (%s)", note.room, agent[:8],
@@ -339,6 +340,8 @@ class SglangDecodeCore(Core):
     def _finish(self, room: ReceiverRoom, now: float) -> None:
         room.finished = now
         self.deadlines.arm(room, None)
+        self.progress.pop(room, None)  # (only waiting rooms are counted, checked and watched)
+        self.writers.pop(room, None)
         self._emit(Finished(room))
 
     def _forget_instance(self, addr: str) -> None:
