@@ -11,8 +11,9 @@ The rules of SGLang's decode side, with asynckv's guarantees where a stock prefi
   info (9 frames); both travel on one ZMQ socket per rank, so they arrive in that order;
 - completion comes from the NIXL notifications on the prefill's writes (``notified``):
   ``SglangCompletion`` counts the chunks, in any order, and fails the room on chunk ids SGLang
-  would wait on forever; notifications of another agent than the room's first writer, or of
-  a room not waiting, are dropped and counted (``late_notification`` when the room failed:
+  would wait on forever; notifications of another agent than the room's first writer (an
+  asynckv prefill's write lanes ``<name>.<i>`` count as ``<name>``), or of a room not waiting,
+  are dropped and counted (``late_notification`` when the room failed:
   the stock prefill wrote into pages after the failure);
 - the room fails with a reason on the waiting timeout, and when the prefill's bootstrap
   server fails ``heartbeat_max_failures`` health checks in a row (``GET /health`` every
@@ -122,6 +123,13 @@ class CheckHealth(Action):
 STATE_REFUSED = "state_indices: hybrid-model state (mamba/SWA/NSA) is not supported on the SGLang wire"
 
 
+
+def writer_of(agent: str) -> str:
+    """The prefill rank an agent writes for: an asynckv prefill posts from write lanes named
+    ``<name>.<i>`` beside ``<name>`` (``transport.lanes``); SGLang's agents are UUIDs."""
+    base, dot, lane = agent.rpartition(".")
+    return base if dot and lane.isdigit() else agent
+
 class SglangDecodeCore(Core):
     """The decode side of one rank on SGLang's wire (see the module docstring)."""
 
@@ -229,8 +237,8 @@ class SglangDecodeCore(Core):
             else:
                 self._drop("unknown_room", f"notification {raw[:64]!r} from {agent[:8]}")
             return
-        writer = self.writers.setdefault(room, agent)
-        if writer != agent:
+        writer = self.writers.setdefault(room, writer_of(agent))
+        if writer != writer_of(agent):
             self._drop("other_agent", f"room {note.room}: notified by {agent[:8]}, written by {writer[:8]}")
             return
         progress.add(note)

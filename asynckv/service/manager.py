@@ -36,6 +36,7 @@ from ..proto.sglang_prefill import SglangPrefillCore
 from ..proto.topology import PrefillInstance
 from ..transport.base import DataPlane
 from ..transport.control import ControlChannel
+from ..transport.lanes import LanedDataPlane
 from ..transport.nixl import NixlDataPlane
 from . import metrics
 from .bootstrap import BootstrapClient, BootstrapServer, split_addr
@@ -80,7 +81,8 @@ class KVManager:
         self.ops_server: OpsServer | None = None
         self.page_bytes = int(sum(kv_args.kv_item_lens))
         """Bytes one page index moves across all KV entries."""
-        self.data_plane_factory: Callable[[str, Config, Callable[[], bool]], DataPlane] = _nixl_plane
+        self.data_plane_factory: Callable[[str, Config, Callable[[], bool], int], DataPlane] = _nixl_plane
+        """(name, config, expecting, lanes) -> the data plane, made at start."""
         """Makes this manager's data plane at ``start()`` (``asynckv.testing`` swaps in fakes)."""
         self._svc: PrefillService | DecodeService | SglangDecodeService | None = None
         self._data: DataPlane | None = None
@@ -172,7 +174,9 @@ class KVManager:
         builder = WriteBuilder(self.kv_args, cfg)
         # A decode target must keep progressing while prefill may write into it (an unpolled
         # target stalls its initiators); with no room waiting it can sleep longer.
-        data = self._data = self.data_plane_factory(self.name, cfg, (lambda: False) if prefill else self._expecting)
+        # Only the side that posts copies, so only prefill spreads its writes over lanes.
+        data = self._data = self.data_plane_factory(self.name, cfg, (lambda: False) if prefill else self._expecting,
+                                                    cfg.write_lanes if prefill else 1)
         scratch = (int(self._scratch.ctypes.data), SCRATCH_BYTES)
         metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill))
         auth = Authenticator(cfg.auth_token) if cfg.auth_token else None
@@ -366,9 +370,11 @@ class KVManager:
         return f"<KVManager {self.mode.value} {self.name[:8]} at {self.endpoint or '-'} rooms={rooms}>"
 
 
-def _nixl_plane(name: str, config: Config, expecting: Callable[[], bool]) -> DataPlane:
-    return NixlDataPlane(name, backend=config.nixl_backend, idle_poll_s=config.idle_poll_s, expecting=expecting,
-                         loopback_only=config.protected)  # protected mode: UCX listens on loopback only too
+def _nixl_plane(name: str, config: Config, expecting: Callable[[], bool], lanes: int) -> DataPlane:
+    def make(agent: str) -> NixlDataPlane:
+        return NixlDataPlane(agent, backend=config.nixl_backend, idle_poll_s=config.idle_poll_s, expecting=expecting,
+                             loopback_only=config.protected)  # protected mode: UCX listens on loopback only too
+    return make(name) if lanes == 1 else LanedDataPlane.make(name, lanes, make)
 
 
 def _register_template(name: str, endpoint: str, a: KVArgs, scratch: tuple[int, int], metadata: bytes) -> Register:

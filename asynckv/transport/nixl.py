@@ -77,7 +77,7 @@ class NixlDataPlane(NixlEngine):
 
     async def close(self) -> None:
         """Release every handle, dlist and remote agent, deregister memory, stop the thread."""
-        if self._closed or self._thread is None:
+        if self._closed or self._thread is None or not self._thread.is_alive():  # (a dead thread answers nothing)
             self._closed = True
             return
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -48,10 +49,11 @@ async def _register_and_answer(pair: Pair, reg: Register) -> RegisterResult:
 
 
 def _spy_on_agent(pair: Pair) -> list[tuple[str, Any]]:
-    """Record the prefill agent's add/remove_remote_agent calls (the real agent still does them)."""
-    agent = pair.prefill.data_plane._agent  # type: ignore[attr-defined]
+    """Record the prefill agents' add/remove_remote_agent calls (the real agents still do them)."""
+    plane = pair.prefill.data_plane
     calls: list[tuple[str, Any]] = []
-    for name in ("add_remote_agent", "remove_remote_agent"):
+    for agent, name in itertools.product([lane._agent for lane in getattr(plane, "lanes", [plane])],
+                                         ("add_remote_agent", "remove_remote_agent")):
         real = getattr(agent, name)
 
         def spy(arg: Any, _real: Callable[[Any], Any] = real, _name: str = name) -> Any:

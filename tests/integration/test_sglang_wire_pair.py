@@ -47,7 +47,7 @@ async def test_a_room_aborted_on_decode_is_not_fenced_and_a_late_write_is_counte
         await sender.send(np.array([7, 8]))
         assert await sender.wait(10) == KVPoll.Success  # it never heard of the abort
         for _ in range(200):
-            if pair.decode.stats.get("late_notification"):
+            if pair.decode.stats.get("late_notification", 0) >= 2:  # (from two write lanes: in any order)
                 break
             await asyncio.sleep(0.01)
         assert pair.decode.stats["late_notification"] == 2  # the KV chunk and the aux row

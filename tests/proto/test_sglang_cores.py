@@ -723,3 +723,17 @@ def test_decode_health_checks_that_time_out_still_count_in_a_row() -> None:
         checks += 1
         now += 0.5  # the next beat
     assert room.state is ReceiverState.FAILED and checks == 4, (room.state, checks)
+
+
+def test_decode_notifications_of_the_writers_other_lanes_count_as_the_writer() -> None:
+    """An asynckv prefill posts from write lanes ``<name>.<i>``: the same rank, not a second writer;
+    a look-alike suffix that is not a lane number is another agent."""
+    core = decode()
+    r = waiting(core, 7)
+    core.actions()
+    core.notified(f"{PREFILL_AGENT}.1", b"7_kv_0_0_0", 0.1)
+    core.notified(f"{PREFILL_AGENT}.x", b"7_kv_1_1_0", 0.1)
+    assert core.stats["dropped_other_agent"] == 1 and r.state is ReceiverState.WAITING
+    core.notified(PREFILL_AGENT, b"7_kv_1_1_0", 0.2)
+    core.notified(f"{PREFILL_AGENT}.2", b"7_aux", 0.3)
+    assert r.poll() == KVPoll.Success

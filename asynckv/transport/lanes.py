@@ -1,0 +1,134 @@
+"""Several NIXL engines behind one data plane, so that a prefill rank copies on several cores.
+
+On one host UCX moves DRAM with CMA inside ``transfer()``: the engine thread that posts is
+the thread that copies, so one engine copies on one core. Two threads may not share an
+agent (its default sync mode segfaulted, and the thread-safe modes serialise the calls), so
+each lane is a whole ``NixlDataPlane``: its own agent, registrations, prepared dlists and
+thread. Measured on the 2-core VM, raw NIXL, 16 requests of 64 buffers x 32 pages of 32 KiB
+into another process: one agent 3.5-4.1 GB/s scattered and 4.7-5.3 contiguous; two agents on
+two threads 6.3-6.6 and 8.4-9.2 (``benchmarks/bench_scaling.py`` measures it through asynckv).
+
+A post goes whole to the lane with the fewest posts in flight, so every rule of
+``NixlEngine`` still holds per post (one handle in flight, lease and cancel checked before
+each handle, its notification sent only once all of it landed); posts of one room may land
+in any order, as they already could over TCP. Peers are connected, leased, warmed up and
+forgotten on every lane. Lane 0's agent carries the manager's name; lane ``i`` is
+``<name>.<i>`` (a decode never loads a prefill's metadata, and SGLang's decode matches
+notifications by their text, not their sender).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .base import U64, MemoryLayout, Notified, Settled, Write
+from .nixl import NixlDataPlane
+
+__all__ = ["LanedDataPlane"]
+
+
+class LanedDataPlane:
+    """``DataPlane`` over ``lanes`` NIXL engines; posts are spread, everything else goes to all."""
+
+    def __init__(self, lanes: Sequence[NixlDataPlane]) -> None:
+        if not lanes:
+            raise ValueError("a laned data plane needs at least one lane")
+        self.lanes = tuple(lanes)
+        self.on_settled: Settled = lambda batch: None
+        self._owner: dict[int, int] = {}
+        """post id -> lane, until it settles (cancels go to that lane only)."""
+        self._load = [0] * len(self.lanes)
+        self._next = 0
+        for i, lane in enumerate(self.lanes):
+            lane.on_settled = self._settled_on(i)
+
+    @classmethod
+    def make(cls, name: str, count: int, factory: Callable[[str], NixlDataPlane]) -> LanedDataPlane:
+        return cls([factory(name if i == 0 else f"{name}.{i}") for i in range(count)])
+
+    @property
+    def name(self) -> str:
+        return self.lanes[0].name
+
+    @property
+    def alive(self) -> bool:
+        return all(lane.alive for lane in self.lanes)
+
+    @property
+    def posts_in_flight(self) -> int:
+        return sum(lane.posts_in_flight for lane in self.lanes)
+
+    @property
+    def on_notified(self) -> Notified | None:
+        return self.lanes[0].on_notified
+
+    @on_notified.setter
+    def on_notified(self, fn: Notified | None) -> None:
+        for lane in self.lanes:
+            lane.on_notified = fn
+
+    async def start(self, memory: MemoryLayout) -> bytes:
+        """Start every lane (each registers the same memory); returns lane 0's metadata."""
+        results = await asyncio.gather(*(lane.start(memory) for lane in self.lanes), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.close()
+            raise failed[0]
+        return bytes(results[0])  # type: ignore[arg-type]
+
+    async def connect_peer(self, peer: str, metadata: bytes, rows: U64 | None, mem_kind: str) -> None:
+        results = await asyncio.gather(*(lane.connect_peer(peer, metadata, rows, mem_kind) for lane in self.lanes),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # undo it where it succeeded, so that the peer can be connected anew later
+            for lane, result in zip(self.lanes, results, strict=True):
+                if not isinstance(result, BaseException):
+                    lane.forget_peer(peer)
+            raise failed[0]
+
+    async def warm_up(self, peer: str, dst: tuple[int, int], timeout_s: float) -> None:
+        await asyncio.gather(*(lane.warm_up(peer, dst, timeout_s) for lane in self.lanes))
+
+    def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
+        load = self._load
+        best = min(load)
+        n = len(load)
+        lane = next(i for k in range(n) if load[i := (self._next + k) % n] == best)
+        self._next = (lane + 1) % n
+        load[lane] += 1
+        self._owner[post_id] = lane
+        self.lanes[lane].post(post_id, peer, write, timeout_s)
+
+    def cancel(self, post_ids: Sequence[int], reason: BaseException) -> None:
+        by_lane: dict[int, list[int]] = {}
+        for post_id in post_ids:
+            lane = self._owner.get(post_id)
+            if lane is not None:
+                by_lane.setdefault(lane, []).append(post_id)
+        for lane, ids in by_lane.items():
+            self.lanes[lane].cancel(ids, reason)
+
+    def set_lease(self, peer: str, until: float) -> None:
+        for lane in self.lanes:
+            lane.set_lease(peer, until)
+
+    def forget_peer(self, peer: str) -> None:
+        for lane in self.lanes:
+            lane.forget_peer(peer)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(lane.close() for lane in self.lanes))
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(agent, *args)`` on lane 0's engine thread."""
+        return await self.lanes[0].call(fn, *args)
+
+    def _settled_on(self, lane: int) -> Settled:
+        def settled(batch: list[tuple[int, BaseException | None]]) -> None:
+            for post_id, _ in batch:
+                if self._owner.pop(post_id, None) is not None:
+                    self._load[lane] -= 1
+            self.on_settled(batch)
+        return settled

@@ -1,0 +1,120 @@
+"""A prefill's write lanes (``transport.lanes``): several NIXL engines behind one data plane, each
+its own agent on its own thread, against recording fake agents (no NIXL needed)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from asynckv.errors import RemoteProtocolError
+from asynckv.proto.topology import stub_agent_metadata
+from asynckv.transport.base import MemoryLayout
+from asynckv.transport.lanes import LanedDataPlane
+from asynckv.transport.nixl import NixlDataPlane
+
+from .test_nixl_plane import FakeAgent, prepped, rows, until
+
+
+async def laned(agents: list[FakeAgent]) -> tuple[LanedDataPlane, list[tuple[int, BaseException | None]]]:
+    made = iter(agents)
+    plane = LanedDataPlane.make("me", len(agents), lambda name: NixlDataPlane(
+        name, agent_factory=lambda n, b: next(made)))
+    settled: list[tuple[int, BaseException | None]] = []
+    plane.on_settled = settled.extend
+    await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
+    await plane.connect_peer("peer", stub_agent_metadata("peer"), rows(4), "DRAM")
+    plane.set_lease("peer", time.monotonic() + 60)
+    return plane, settled
+
+
+def transfers(agent: FakeAgent) -> int:
+    return sum(1 for call, _ in agent.calls if call == "make_prepped_xfer")
+
+
+async def test_lanes_are_named_after_the_manager_and_each_registers_and_connects() -> None:
+    a, b = FakeAgent(), FakeAgent()
+    plane, _ = await laned([a, b])
+    assert [lane.name for lane in plane.lanes] == ["me", "me.1"] and plane.name == "me"
+    for agent in (a, b):
+        kinds = [call for call, _ in agent.calls]
+        assert kinds.count("register_memory") == 1 and kinds.count("prep_xfer_dlist peer") == 1
+        assert ("add_remote_agent", stub_agent_metadata("peer")) in agent.calls
+    await plane.close()
+
+
+async def test_posts_go_to_the_lane_with_fewest_in_flight_and_settle_through_one_callback() -> None:
+    a, b = FakeAgent(), FakeAgent()  # handles stay PROC: every post stays in flight
+    plane, settled = await laned([a, b])
+    for post_id in (1, 2, 3):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    await until(lambda: transfers(a) + transfers(b) == 3)
+    assert (transfers(a), transfers(b)) == (2, 1)  # 1 -> lane 0, 2 -> lane 1, 3 -> lane 0 (a tie: in turn)
+    b.finish = True
+    await until(lambda: settled == [(2, None)])
+    plane.post(4, "peer", prepped(), 30.0)  # lane 1 now has none in flight, lane 0 has two
+    await until(lambda: transfers(b) == 2)
+    a.finish = True
+    await until(lambda: sorted(p for p, _ in settled) == [1, 2, 3, 4])
+    assert all(err is None for _, err in settled) and plane.posts_in_flight == 0
+    await plane.close()
+
+
+async def test_a_cancel_reaches_the_lane_that_holds_the_post_only() -> None:
+    a, b = FakeAgent(), FakeAgent()
+    plane, settled = await laned([a, b])
+    two = prepped(2)
+    plane.post(1, "peer", two.__class__((*two.pieces, *two.pieces), 4, 256), 30.0)  # two handles
+    plane.post(2, "peer", prepped(), 30.0)
+    await until(lambda: transfers(a) == 1 and transfers(b) == 1)
+    plane.cancel([1], RemoteProtocolError("aborted"))
+    assert 1 not in plane.lanes[1]._cancelled and 1 in plane.lanes[0]._cancelled
+    a.finish = b.finish = True
+    await until(lambda: len(settled) == 2)
+    outcome = dict(settled)
+    assert isinstance(outcome[1], RemoteProtocolError) and outcome[2] is None
+    assert transfers(a) == 1  # the second handle of post 1 never started
+    await plane.close()
+
+
+async def test_a_connect_that_fails_on_one_lane_is_undone_on_the_others() -> None:
+    a, b = FakeAgent(), FakeAgent()
+    plane, _ = await laned([a, b])
+    real = b.add_remote_agent
+
+    def refuse(metadata: bytes) -> bytes:
+        raise RuntimeError("nixlBackendError")
+    b.add_remote_agent = refuse  # type: ignore[method-assign]
+    with pytest.raises(Exception, match="nixlBackendError"):
+        await plane.connect_peer("other", stub_agent_metadata("other"), rows(4), "DRAM")
+    await until(lambda: ("remove_remote_agent", "other") in a.calls)
+    b.add_remote_agent = real  # type: ignore[method-assign]
+    await plane.connect_peer("other", stub_agent_metadata("other"), rows(4), "DRAM")  # not "connected already"
+    await plane.close()
+
+
+async def test_leases_and_forgetting_a_peer_apply_on_every_lane() -> None:
+    a, b = FakeAgent(), FakeAgent()
+    plane, settled = await laned([a, b])
+    plane.set_lease("peer", time.monotonic() - 1)  # lapsed: no lane may start a handle
+    plane.post(1, "peer", prepped(), 30.0)
+    plane.post(2, "peer", prepped(), 30.0)
+    await until(lambda: len(settled) == 2)
+    assert all(err is not None and "lease" in str(err) for _, err in settled)
+    assert transfers(a) == transfers(b) == 0
+    plane.forget_peer("peer")
+    for agent in (a, b):
+        await until(lambda agent=agent: ("remove_remote_agent", "peer") in agent.calls)  # type: ignore[misc]
+    await plane.close()
+    assert not plane.alive
+
+
+async def test_a_lane_that_cannot_start_closes_the_others_and_the_error_is_raised() -> None:
+    agents = iter([FakeAgent()])
+
+    def make(n: str, b: str) -> FakeAgent:
+        return next(agents)  # the second lane's agent cannot be made
+    plane = LanedDataPlane.make("me", 2, lambda name: NixlDataPlane(name, agent_factory=make))
+    with pytest.raises(Exception, match="cannot create NIXL agent"):
+        await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
+    assert not any(lane.alive for lane in plane.lanes)
