@@ -19,6 +19,7 @@ from . import (
     bench_head_slice,
     bench_idle,
     bench_kernels,
+    bench_scaling,
     bench_sglang,
     bench_sglang_poll,
     bench_sim,
@@ -26,11 +27,11 @@ from . import (
     bench_throughput,
 )
 from ._common import RESULTS
-from .report import render
+from .report import render, render_scaling
 
 FULL: dict[str, list[str]] = {"throughput": [], "small": [], "concurrency": [], "kernels": [], "idle": [],
                               "first_contact": [], "head_slice": [], "sglang": [],
-                              "sglang_poll": [], "sim": []}
+                              "sglang_poll": [], "scaling": [], "sim": []}
 SMOKE: dict[str, list[str]] = {
     "throughput": ["--sizes-mib", "0.0625", "1", "--reps", "1"],
     "small": ["--pages", "1", "--reps", "5"],
@@ -41,12 +42,14 @@ SMOKE: dict[str, list[str]] = {
     "head_slice": ["--pages", "16"],
     "sglang": ["--rounds", "1", "--scale", "16", "--cases", "1", "--requests", "4"],
     "sglang_poll": ["--queued", "20", "--iterations", "20"],
+    "scaling": ["--rounds", "1", "--lanes", "1", "2", "--pages", "1", "4", "--inflight", "1", "4",
+                "--budget-pages", "16", "--scale", "16"],
     "sim": ["--seeds", "500", "--procs", "1"],
 }
 MODULES = {"throughput": bench_throughput, "small": bench_small, "concurrency": bench_concurrency,
            "kernels": bench_kernels, "idle": bench_idle, "first_contact": bench_first_contact,
            "head_slice": bench_head_slice, "sglang": bench_sglang,
-           "sglang_poll": bench_sglang_poll, "sim": bench_sim}
+           "sglang_poll": bench_sglang_poll, "scaling": bench_scaling, "sim": bench_sim}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             module.main(plan[name], out)
         print(f"      done in {time.perf_counter() - t:.1f} s", flush=True)
     print(render(out, charts=True))
+    scaling = render_scaling(out)
+    if scaling:
+        print("\n" + scaling)
     print(f"results in {out}")
     return 0
 

@@ -7,6 +7,7 @@ these cases beside SGLang's own connector, in the same run.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 
@@ -35,3 +36,15 @@ async def run_case(requests: int, pages: int, inflight: int, scattered: bool, sc
     return {"gbps": nbytes / elapsed / 1e9, "rps": requests / elapsed, "p50_ms": float(np.percentile(lat, 50)),
             "p99_ms": float(np.percentile(lat, 99)), "cpu_decode_s": c1.user + c1.system - c0.user - c0.system,
             "cpu_prefill_s_total": child.ru_utime + child.ru_stime}
+
+
+def measure_case(requests: int, pages: int, inflight: int, scattered: bool, scale: int) -> dict[str, float]:
+    """``run_case`` in its own event loop, with the prefill process's CPU seconds of this case alone."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    row = asyncio.run(run_case(requests, pages, inflight, scattered, scale))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    row.pop("cpu_prefill_s_total")
+    row["cpu_prefill_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    spec = DemoSpec(layers=32 // scale)
+    row["gb"] = requests * pages * spec.entries * spec.item_bytes / 1e9
+    return row

@@ -18,11 +18,9 @@ work (after their ~9 s imports); asynckv's prefill process is counted whole, sta
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import pathlib
-import resource
 import statistics
 import subprocess
 import sys
@@ -104,16 +102,6 @@ def sglang_case(python: pathlib.Path, requests: int, pages: int, inflight: int, 
             "cpu_decode_s": d["cpu_s"], "cpu_prefill_s": p["cpu_s"], "gb": nbytes / 1e9}
 
 
-def asynckv_case(requests: int, pages: int, inflight: int, scattered: bool, scale: int) -> dict[str, float]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    row = asyncio.run(bench_seed_workload.run_case(requests, pages, inflight, scattered, scale))
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    row.pop("cpu_prefill_s_total")
-    row["cpu_prefill_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    row["gb"] = requests * pages * DemoSpec(layers=32 // scale).entries * DemoSpec(layers=32 // scale).item_bytes / 1e9
-    return row
-
-
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in ("gbps", "rps", "p50_ms", "p99_ms", "cpu_decode_s", "cpu_prefill_s"):
@@ -144,7 +132,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
             order = ["sglang", "asynckv"] if r % 2 == 0 else ["asynckv", "sglang"]
             for side in order:
                 run = sglang_case(python, requests, pages, inflight, scattered, args.scale) if side == "sglang" \
-                    else asynckv_case(requests, pages, inflight, scattered, args.scale)
+                    else bench_seed_workload.measure_case(requests, pages, inflight, scattered, args.scale)
                 runs[side].append(run)
                 print(f"  {name:28s} round {r + 1} {side:8s}: {run['gbps']:5.2f} GB/s, {run['rps']:7.1f} req/s, "
                       f"p50 {run['p50_ms']:7.1f} ms, CPU s decode {run['cpu_decode_s']:.2f} prefill "

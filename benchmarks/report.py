@@ -80,8 +80,38 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
         lines.append(f"| SGLang scheduler loop, {sp['queued']} requests queued: poll() per request per iteration | "
                      f"{a['median_us']:.2f} us median, {a['p99_us']:.2f} us p99 | SGLang's NixlKVSender.poll(): "
                      f"{s['median_us']:.2f} / {s['p99_us']:.2f} us | | <= 5 us |")
+    sc = _load(out, "scaling")
+    if sc:
+        one = {r["case"]: r["gbps"] for r in sc["lanes"] if r["lanes"] == 1}
+        for r in sc["lanes"]:
+            if r["lanes"] > 1 and r["case"] in one:
+                lines.append(f"| scaling: {r['case']}, {r['lanes']} write lanes | {r['gbps']:.2f} GB/s "
+                             f"({r['gbps_spread'][0]:.2f}-{r['gbps_spread'][1]:.2f}), {r['rps']:.0f} req/s | 1 lane: "
+                             f"{one[r['case']]:.2f} GB/s | {r['gbps'] / one[r['case']]:.2f}x | |")
     if charts:
         _charts(out)
+    return "\n".join(lines)
+
+
+def render_scaling(out: pathlib.Path) -> str:
+    """The scaling sweeps as three markdown tables (empty when there is no result)."""
+    sc = _load(out, "scaling")
+    if not sc:
+        return ""
+    lines = ["| case | write lanes | GB/s (min-max) | req/s | decode p50 ms | prefill CPU s |",
+             "|---|---|---|---|---|---|"]
+    for r in sc["lanes"]:
+        lines.append(f"| {r['case']} | {r['lanes']} | {r['gbps']:.2f} ({r['gbps_spread'][0]:.2f}-"
+                     f"{r['gbps_spread'][1]:.2f}) | {r['rps']:.0f} | {r['p50_ms']:.0f} | {r['cpu_prefill_s']:.2f} |")
+    lines += ["", "| pages per request | indices per request | GB/s | req/s | decode p50 ms | prefill CPU s/GB | "
+              "prefill CPU ms/request |", "|---|---|---|---|---|---|---|"]
+    for r in sc["pages"]:
+        lines.append(f"| {r['pages']} | {r['descriptors_per_request']} | {r['gbps']:.2f} | {r['rps']:.0f} | "
+                     f"{r['p50_ms']:.1f} | {r['cpu_s_per_gb']:.2f} | {r['cpu_ms_per_request']:.2f} |")
+    lines += ["", "| 1-page rooms in flight | rooms/s (min-max) | decode p50 / p99 ms |", "|---|---|---|"]
+    for r in sc["inflight"]:
+        lines.append(f"| {r['inflight']} | {r['rps']:.0f} ({r['rps_spread'][0]:.0f}-{r['rps_spread'][1]:.0f}) | "
+                     f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} |")
     return "\n".join(lines)
 
 
