@@ -187,6 +187,8 @@ def handle_bounds(lengths: npt.NDArray[np.integer], max_descs: int, max_bytes: i
     if n == 0:
         return []
     cum = np.cumsum(lengths, dtype=np.int64)
+    if n <= max_descs and int(cum[-1]) <= max_bytes:  # one handle (most writes): no search
+        return [(0, n)]
     bounds = []
     start = 0
     while start < n:

@@ -90,7 +90,7 @@ class PrefillService(Pump):
 
     def _submit(self, a: act.Post, write: Write) -> None:
         self._posted[a.post_id] = (a.peer, a.kind, write.nbytes, self.clock())
-        metrics.DESCRIPTORS.labels(*self.labels, a.peer[:8]).observe(write.descriptors)
+        metrics.child(metrics.DESCRIPTORS, *self.labels, a.peer[:8]).observe(write.descriptors)
         self.data.post(a.post_id, a.peer, write, a.timeout_s)
 
     def _on_cancel(self, a: act.CancelPosts) -> None:
@@ -112,11 +112,11 @@ class PrefillService(Pump):
             peer, kind, nbytes, started = info
             labels = (*self.labels, peer[:8])
             if error is None:
-                metrics.TRANSFER_SECONDS.labels(*labels).observe(now - started)
-                metrics.TRANSFER_BYTES.labels(*labels, kind).inc(nbytes)
-                metrics.TRANSFERS.labels(*labels, kind).inc()
+                metrics.child(metrics.TRANSFER_SECONDS, *labels).observe(now - started)
+                metrics.child(metrics.TRANSFER_BYTES, *labels, kind).inc(nbytes)
+                metrics.child(metrics.TRANSFERS, *labels, kind).inc()
             else:
-                metrics.TRANSFER_FAILURES.labels(*labels, type(error).__name__).inc()
+                metrics.child(metrics.TRANSFER_FAILURES, *labels, type(error).__name__).inc()
         self.feed_each("post_settled", batch)
 
     def _on_lease(self, a: act.SetLease) -> None:

@@ -153,6 +153,6 @@ class Pump:
         """Metrics of a room whose outcome was decided."""
         result = room.poll().name.lower()
         reason = "" if room.exception is None else type(room.exception).__name__
-        metrics.ROOMS_FINISHED.labels(*self.labels, result, reason).inc()
+        metrics.child(metrics.ROOMS_FINISHED, *self.labels, result, reason).inc()
         if room.started is not None and room.finished is not None:
-            metrics.ROOM_SECONDS.labels(*self.labels, peer, result).observe(room.finished - room.started)
+            metrics.child(metrics.ROOM_SECONDS, *self.labels, peer, result).observe(room.finished - room.started)
