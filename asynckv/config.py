@@ -58,6 +58,11 @@ class Config:
     one host the posting thread does the copy, so one lane copies on one core; two lanes moved
     scattered pages 1.6x and contiguous ones 1.7x as fast on a 2-core VM (benchmarks/bench_scaling.py).
     Each lane registers the rank's memory and prepares each decode peer's dlist once more."""
+    staging_bytes: int = 256 * 2**20
+    """Prefill: a DRAM area where head slices for a decode at a larger TP are gathered into whole
+    pages, so they go out as one descriptor per page instead of one per token (0: off). Allocated
+    with the rank (address space; pages become resident as they are used) and registered with
+    NIXL; a write finding no room in it is sent per token."""
     max_descs_per_xfer: int = 16384
     """Larger writes are split into several NIXL handles, posted one after another."""
     xfer_handle_bytes: int = 64 * 2**20
@@ -149,6 +154,8 @@ class Config:
                      "max_early_bytes", "max_peer_dlist_rows", "max_connecting_peers", "write_lanes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"config {name} must be >= 1, got {getattr(self, name)!r}")
+        if self.staging_bytes < 0:
+            raise InvalidArgument(f"config staging_bytes must be >= 0, got {self.staging_bytes!r}")
         if not self.host:
             raise InvalidArgument("config host must not be empty")
         if self.wire not in WIRES:

@@ -80,6 +80,14 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
         lines.append(f"| SGLang scheduler loop, {sp['queued']} requests queued: poll() per request per iteration | "
                      f"{a['median_us']:.2f} us median, {a['p99_us']:.2f} us p99 | SGLang's NixlKVSender.poll(): "
                      f"{s['median_us']:.2f} / {s['p99_us']:.2f} us | | <= 5 us |")
+    ht = _load(out, "hetero_tp")
+    if ht:
+        equal = ht["rows"][0]
+        for r in ht["rows"][1:]:
+            lines.append(f"| heterogeneous TP: {r['case']} | {r['gbps']:.2f} GB/s ({r['gbps_spread'][0]:.2f}-"
+                         f"{r['gbps_spread'][1]:.2f}), {r['cpu_s_per_gb']:.2f} CPU s/GB | {equal['case']}: "
+                         f"{equal['gbps']:.2f} GB/s, {equal['cpu_s_per_gb']:.2f} CPU s/GB | "
+                         f"{r['ratio_vs_equal_tp']:.2f}x | >= 0.8x |")
     sc = _load(out, "scaling")
     if sc:
         one = {r["case"]: r["gbps"] for r in sc["lanes"] if r["lanes"] == 1}

@@ -18,7 +18,7 @@ from ..transport.base import ControlPlane, DataPlane, Write
 from . import metrics
 from .pump import Pump
 from .sender import KVSender
-from .writes import WriteBuilder
+from .writes import GATHER_INLINE_BYTES, WriteBuilder
 
 __all__ = ["PrefillService"]
 
@@ -65,7 +65,8 @@ class PrefillService(Pump):
     # -- writes --------------------------------------------------------------------------
 
     def _on_post(self, a: act.Post) -> None:
-        if self.builder.descriptor_count(a) < self.config.offload_min_descs:
+        b = self.builder
+        if b.descriptor_count(a) < self.config.offload_min_descs and b.gather_bytes(a) <= GATHER_INLINE_BYTES:
             try:
                 write = self.builder.build(a)
             except Exception as exc:
@@ -84,6 +85,7 @@ class PrefillService(Pump):
             write, error = None, exc
         cancelled = self._building.pop(a.post_id, None)
         if cancelled is not None or write is None:  # cancelled while it was being built: never posted
+            self.builder.release(a.post_id)
             self.feed("post_settled", a.post_id, cancelled or error)
             return
         self._submit(a, write)
@@ -106,6 +108,7 @@ class PrefillService(Pump):
     def _on_settled(self, batch: list[tuple[int, BaseException | None]]) -> None:
         now = self.clock()
         for post_id, error in batch:
+            self.builder.release(post_id)
             info = self._posted.pop(post_id, None)
             if info is None:
                 continue

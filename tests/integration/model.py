@@ -134,8 +134,8 @@ def expected_state(lay: Layout, rank: Rank, key: tuple[int, int], room: int, slo
 
 
 @contextlib.asynccontextmanager
-async def cluster(lay: Layout) -> AsyncIterator[tuple[list[Rank], list[Rank], str]]:
-    cfg = Config(waiting_timeout_s=60, bootstrap_timeout_s=60, host_bootstrap=False)
+async def cluster(lay: Layout, **config: Any) -> AsyncIterator[tuple[list[Rank], list[Rank], str]]:
+    cfg = Config(**{"waiting_timeout_s": 60, "bootstrap_timeout_s": 60, "host_bootstrap": False, **config})
     async with BootstrapServer("127.0.0.1", 0) as server, contextlib.AsyncExitStack() as stack:
         prefill = [build_rank(lay, lay.tp_prefill, tp, lay.pp_prefill, pp)
                    for pp in range(lay.pp_prefill) for tp in range(lay.tp_prefill)]

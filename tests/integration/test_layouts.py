@@ -8,6 +8,7 @@ in {1,2,4,8}, H in {1,2,4,8}, prefill PP in {1,2}, MHA and MLA) is marked slow.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,9 +42,9 @@ def layout_id(lay: Layout) -> str:
     return f"tp{lay.tp_prefill}to{lay.tp_decode}-pp{lay.pp_prefill}to{lay.pp_decode}-{kind}{extra}"
 
 
-async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2) -> None:
+async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2, **config: Any) -> None:
     rng = np.random.default_rng(hash(layout_id(lay)) % 2**32)
-    async with cluster(lay) as (prefill, decode, addr):
+    async with cluster(lay, **config) as (prefill, decode, addr):
         for room in range(1, rooms + 1):
             for r in decode:  # each room checks its own pages only
                 for arr in r.kv + r.state:
@@ -54,6 +55,9 @@ async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2) -> No
         for r in prefill + decode:
             assert r.mgr is not None
             assert all(v == 0 for v in r.mgr.room_counts().values())
+            staging = getattr(r.mgr._svc, "builder", None) and r.mgr._svc.builder.staging  # type: ignore[union-attr]
+            if staging is not None:  # every run given back, nothing held
+                assert staging.held == 0 and staging.free_bytes == staging.capacity
 
 
 @pytest.mark.parametrize("lay", REPRESENTATIVE, ids=layout_id)
@@ -91,3 +95,24 @@ async def test_full_prefix_hit_still_sends_aux_and_state() -> None:
                                  Layout(2, 1, 1, mla=True, draft_layers=1)], ids=layout_id)
 async def test_speculative_draft_entries(lay: Layout) -> None:
     await check_layout(lay)
+
+
+@pytest.mark.parametrize("staging_bytes, staged", [(256 * 2**20, True), (64, False), (0, False)],
+                         ids=["staged", "no-room-per-token", "off-per-token"])
+async def test_head_slices_for_a_larger_decode_tp_are_staged_into_whole_pages(
+        staging_bytes: int, staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill TP2 -> decode TP4 (8 heads): each decode rank takes 2 of a prefill rank's 4 heads, its
+    whole token row. Gathered in the staging area they go out one descriptor per page; without
+    room (or with staging off) per token. Same bytes either way, and no run is left held."""
+    from asynckv.service.staging import StagingArea
+    taken: list[int] = []
+    real = StagingArea.take
+
+    def spy(self: StagingArea, post_id: int, nbytes: int) -> int | None:
+        off = real(self, post_id, nbytes)
+        taken.append(-1 if off is None else nbytes)
+        return off
+    monkeypatch.setattr(StagingArea, "take", spy)
+    await check_layout(Layout(2, 4, 8), staging_bytes=staging_bytes)
+    assert bool(taken) == (staging_bytes > 0)  # (off: no area at all)
+    assert (bool(taken) and all(n > 0 for n in taken)) == staged

@@ -1,0 +1,133 @@
+"""Heterogeneous TP: GB/s of prefill TP1 -> decode TP2 (and TP2 -> TP1) against TP1 -> TP1 on the
+same bytes, in the same run (target: at least 0.8x).
+
+32 layers MHA (64 buffers), 8 KV heads of 128 x 2 bytes, 16-token pages: 32 KiB per page and
+buffer at TP1. 16 requests of 32 pages, 4 in flight, every rank a manager in this process (one
+event loop; each prefill rank has its engine threads). TP1 -> TP2: each decode rank takes 4 of
+the prefill rank's 8 heads, its whole token row, so the prefill gathers the slices into its
+staging area and sends one descriptor per page; the same run with staging off sends one per
+token. TP2 -> TP1: each prefill rank's 4 heads go into half of every decode token row, one
+descriptor per token (no staging can help a strided destination on the prefill side). Rounds
+interleave the cases; medians and min-max spread. CPU: this process's, per GB moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
+from asynckv.layout import KVArgs
+
+from ._common import write_result
+
+HEADS, HEAD_DIM, PAGE_SIZE = 8, 128, 16
+CASES = [("TP1 -> TP1", 1, 1, {}), ("TP1 -> TP2, staged", 1, 2, {}),
+         ("TP1 -> TP2, per token (staging off)", 1, 2, {"staging_bytes": 0}), ("TP2 -> TP1, per token", 2, 1, {})]
+
+
+def _rank(layers: int, pages: int, tp_size: int, tp: int) -> tuple[KVArgs, list[np.ndarray]]:
+    heads = HEADS // tp_size
+    kv = [np.ones((pages, PAGE_SIZE, heads, HEAD_DIM), dtype=np.uint16) for _ in range(2 * layers)]
+    args = KVArgs.from_arrays(kv, page_size=PAGE_SIZE, aux=[np.zeros((8, 64), dtype=np.uint8)], engine_rank=tp,
+                              tp_size=tp_size, kv_head_num=heads, total_kv_head_num=HEADS,
+                              kv_layer_ids=[layer for _ in range(2) for layer in range(layers)])
+    return args, kv
+
+
+@contextlib.asynccontextmanager
+async def _cluster(layers: int, pages: int, tp_p: int, tp_d: int,
+                   **config: Any) -> AsyncIterator[tuple[list[KVManager], list[KVManager], str]]:
+    cfg = Config(host_bootstrap=False, **config)
+    async with BootstrapServer("127.0.0.1", 0) as server, contextlib.AsyncExitStack() as stack:
+        prefill = [KVManager(Mode.PREFILL, _rank(layers, pages, tp_p, r)[0], bootstrap_addr=server.addr, config=cfg)
+                   for r in range(tp_p)]
+        decode = [KVManager(Mode.DECODE, _rank(layers, pages, tp_d, r)[0], config=cfg) for r in range(tp_d)]
+        for m in prefill + decode:
+            await stack.enter_async_context(m)
+        yield prefill, decode, server.addr
+
+
+async def _room(prefill: list[KVManager], decode: list[KVManager], addr: str, room: int, pages: np.ndarray) -> None:
+    receivers = [d.receiver(addr, room) for d in decode]
+    for r in receivers:
+        await r.init(pages, room % 8)
+    senders = [p.sender(room) for p in prefill]
+    for s in senders:
+        await s.wait_ready()
+        s.init(len(pages), room % 8)
+        await s.send(pages)
+    for r in receivers:
+        if await r.wait() != KVPoll.Success:
+            raise RuntimeError(r.failure_reason)
+    for s in senders:
+        if await s.wait() != KVPoll.Success:
+            raise RuntimeError(s.failure_reason)
+        s.clear()
+    for r in receivers:
+        r.clear()
+
+
+async def run_case(tp_p: int, tp_d: int, config: dict[str, Any], layers: int, requests: int, pages: int,
+                   inflight: int) -> dict[str, float]:
+    async with _cluster(layers, inflight * pages, tp_p, tp_d, **config) as (prefill, decode, addr):
+        await _room(prefill, decode, addr, 10_000, np.arange(pages))  # first contact, outside the timing
+        gate = asyncio.Semaphore(inflight)
+        free = list(range(inflight))
+
+        async def one(room: int) -> None:
+            async with gate:
+                k = free.pop()
+                await _room(prefill, decode, addr, room, np.arange(pages) + k * pages)
+                free.append(k)
+
+        c0, t0 = os.times(), time.perf_counter()
+        await asyncio.gather(*(one(room) for room in range(requests)))
+        elapsed, c1 = time.perf_counter() - t0, os.times()
+    nbytes = requests * pages * 2 * layers * PAGE_SIZE * HEADS * HEAD_DIM * 2
+    cpu = c1.user + c1.system - c0.user - c0.system
+    return {"gbps": nbytes / elapsed / 1e9, "cpu_s_per_gb": cpu / (nbytes / 1e9)}
+
+
+def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--pages", type=int, default=32)
+    parser.add_argument("--inflight", type=int, default=4)
+    args = parser.parse_args(argv)
+    print(f"Heterogeneous TP, {args.requests} x {args.pages} pages, {args.inflight} in flight, same bytes:", flush=True)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in CASES}
+    for r in range(args.rounds):
+        for name, tp_p, tp_d, config in (CASES if r % 2 == 0 else CASES[::-1]):
+            run = asyncio.run(run_case(tp_p, tp_d, config, args.layers, args.requests, args.pages, args.inflight))
+            runs[name].append(run)
+            print(f"  round {r + 1} {name:38s}: {run['gbps']:5.2f} GB/s, {run['cpu_s_per_gb']:.2f} CPU s/GB",
+                  flush=True)
+    equal = statistics.median(x["gbps"] for x in runs[CASES[0][0]])
+    rows = []
+    for name, tp_p, tp_d, config in CASES:
+        gbps = [x["gbps"] for x in runs[name]]
+        rows.append({"case": name, "tp_prefill": tp_p, "tp_decode": tp_d, "staging": config.get("staging_bytes") != 0,
+                     "gbps": statistics.median(gbps), "gbps_spread": [min(gbps), max(gbps)],
+                     "cpu_s_per_gb": statistics.median(x["cpu_s_per_gb"] for x in runs[name]),
+                     "ratio_vs_equal_tp": statistics.median(gbps) / equal})
+    result = {"question": __doc__.strip().splitlines()[0], "rounds": args.rounds, "requests": args.requests,
+              "pages": args.pages, "inflight": args.inflight, "layers": args.layers, "rows": rows}
+    write_result("hetero_tp", result, out_dir)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
