@@ -50,6 +50,8 @@ class DemoSpec:
     heartbeat_interval_s: float = 0.5
     fill: bool = True
     """Prefill writes each request's pattern into its pages (benchmarks turn it off)."""
+    report_loop_lag: bool = False
+    """Prefill measures its event loop's lag (how late 1 ms sleeps wake) and prints it at the end."""
 
     @property
     def entries(self) -> int:
@@ -132,10 +134,33 @@ async def _prefill(spec: DemoSpec) -> int:
                 sender.clear()
                 slots.give(pages, row)
 
+        probe = LagProbe() if spec.report_loop_lag else None
         await asyncio.gather(*(serve(r) for r in spec.plan()))
+        if probe is not None:
+            _emit("loop_lag", **probe.stop())
         if mgr.ops_server is not None:  # what an operator's scrape of this rank shows now
             _emit("metrics", lines=await _scrape(mgr.ops_server.addr))
     return 0 if failures == 0 else 1
+
+
+class LagProbe:
+    """How late 1 ms sleeps on the running loop wake (its lag), until ``stop()``."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task = asyncio.get_running_loop().create_task(self._tick(), name="asynckv-lag-probe")
+
+    async def _tick(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.lags.append(time.perf_counter() - t - 0.001)
+
+    def stop(self) -> dict[str, float]:
+        """p99 and max lag in ms."""
+        self._task.cancel()
+        lags = sorted(self.lags) or [0.0]
+        return {"p99_ms": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3, "max_ms": lags[-1] * 1e3}
 
 
 async def _scrape(addr: str) -> list[str]:

@@ -107,10 +107,11 @@ def run(coro: Any) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def decode_against_prefill_process(spec: Any) -> AsyncIterator[tuple[KVManager, Any, Any]]:
+async def decode_against_prefill_process(spec: Any, output: list[str] | None = None) -> AsyncIterator[
+        tuple[KVManager, Any, Any]]:
     """A decode manager here and a demo prefill worker in a child process serving ``spec``'s
     rooms; yields (decode manager, spec with its bootstrap address, decode pool) and checks
-    that the prefill process exited cleanly."""
+    that the prefill process exited cleanly (its printed lines are added to ``output``)."""
     import dataclasses
 
     from asynckv import BootstrapServer
@@ -123,8 +124,12 @@ async def decode_against_prefill_process(spec: Any) -> AsyncIterator[tuple[KVMan
             async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config()) as d:
                 await d.prefill_instance(server.addr)
                 yield d, spec, pool
-            if await prefill.wait(60) != 0:
-                raise RuntimeError(await prefill.output())
+            code = await prefill.wait(60)
+            printed = await prefill.output()
+            if code != 0:
+                raise RuntimeError(printed)
+            if output is not None:
+                output.extend(printed.splitlines())
 
 
 async def receive_plan(d: KVManager, spec: Any, dst_for: Any) -> tuple[list[float], float]:

@@ -33,9 +33,10 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     cc = _load(out, "concurrency")
     if cc:
         for r in cc["rows"]:
+            prefill = f", prefill {r['prefill_loop_lag_p99_ms']:.2f} ms" if "prefill_loop_lag_p99_ms" in r else ""
             lines.append(f"| Q3 {r['inflight']} rooms in flight, {r['loop']} | {r['rooms_per_s']:.0f} rooms/s, "
-                         f"p50 {r['latency_p50_ms']:.0f} / p99 {r['latency_p99_ms']:.0f} ms | loop lag p99 "
-                         f"{r['loop_lag_p99_ms']:.2f} ms | | lag <= 5 ms |")
+                         f"p50 {r['latency_p50_ms']:.0f} / p99 {r['latency_p99_ms']:.0f} ms | loop lag p99: decode "
+                         f"{r['loop_lag_p99_ms']:.2f} ms{prefill} | | lag <= 5 ms, >= 5,000 rooms/s |")
     kn = _load(out, "kernels")
     if kn:
         for r in kn["rows"]:

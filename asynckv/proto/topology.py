@@ -10,7 +10,7 @@ which remote entry (paired by global layer id, never by count), whether pages ar
 whole or as TP head slices, and how hybrid state travels. Anything unsupported is refused
 here, at registration, with a message naming both sides' values.
 
-Notation as in the protocol reference (section 4.6): H total KV heads, Tp / Td prefill /
+Notation: H total KV heads, Tp / Td prefill /
 decode attention TP, hs = max(1, H // Tp), hd = max(1, H // Td) heads per rank. When TP
 exceeds H, consecutive ranks hold the same heads (GQA replication): rank r holds head
 group ``r // max(1, T // H)``.

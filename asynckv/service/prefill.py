@@ -78,9 +78,14 @@ class PrefillService(Pump):
         self.spawn(self._build_off_loop(a), "asynckv-build")
 
     async def _build_off_loop(self, a: act.Post) -> None:
+        building = asyncio.ensure_future(asyncio.to_thread(self.builder.build, a))
         try:
-            write: Write | None = await asyncio.to_thread(self.builder.build, a)
+            write: Write | None = await asyncio.shield(building)
             error: BaseException | None = None
+        except asyncio.CancelledError:  # (close) a thread cannot be stopped: wait until it no longer
+            await asyncio.wait([building])  # reads our KV, whose owner may free it once close returns
+            self.builder.release(a.post_id)
+            raise
         except Exception as exc:
             write, error = None, exc
         cancelled = self._building.pop(a.post_id, None)
@@ -108,7 +113,7 @@ class PrefillService(Pump):
     def _on_settled(self, batch: list[tuple[int, BaseException | None]]) -> None:
         now = self.clock()
         for post_id, error in batch:
-            self.builder.release(post_id)
+            self.builder.release(post_id, error)
             info = self._posted.pop(post_id, None)
             if info is None:
                 continue

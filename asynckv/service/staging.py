@@ -10,8 +10,10 @@ goes out as one descriptor per page.
 
 The area is one DRAM buffer registered with the rank's memory (``np.empty``: untouched, it
 costs address space only). A write takes a run of it while it is built and gives it back when
-its post settles; a write that finds no room (or a rank whose KV is not DRAM) is sent in
-place, per token, as before. Safe from the loop and from build threads at once.
+its post settles (a post that settles past its deadline with its handle still in flight
+leaves its run taken for good: that handle may still read it); a write that finds no room
+(or a rank whose KV is not DRAM) is sent in place, per token, as before. Safe from the loop
+and from build threads at once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class StagingArea:
         self._taken: dict[int, tuple[int, int]] = {}
         """post id -> its run."""
         self._lock = threading.Lock()
+        self.quarantined = 0
+        """Bytes of runs kept for good (their post settled with a handle still in flight)."""
 
     @property
     def free_bytes(self) -> int:
@@ -64,6 +68,14 @@ class StagingArea:
                     self._taken[post_id] = (off, need)
                     return off
         return None
+
+    def quarantine(self, post_id: int) -> bool:
+        """Keep ``post_id``'s run taken for good (a NIXL handle may still read it); True if it held one."""
+        with self._lock:
+            run = self._taken.pop(post_id, None)
+            if run is not None:
+                self.quarantined += run[1]
+            return run is not None
 
     def give(self, post_id: int) -> None:
         """Return ``post_id``'s run, if it holds one (merged with its free neighbours)."""

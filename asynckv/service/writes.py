@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import mmap
 
 import numpy as np
@@ -35,6 +36,7 @@ from .staging import StagingArea
 __all__ = ["GATHER_INLINE_BYTES", "SCRATCH_BYTES", "WriteBuilder", "dlist_rows"]
 
 U64 = npt.NDArray[np.uint64]
+log = logging.getLogger("asynckv.prefill")
 SCRATCH_BYTES = 4096
 GATHER_INLINE_BYTES = 1 << 20
 """Gathers into the staging area larger than this run on a worker thread (~170 us at 6 GB/s,
@@ -108,7 +110,8 @@ class WriteBuilder:
                          [scratch[0], scratch[1], 0], *staging], dtype=np.uint64).reshape(-1, 3)
         local = dlist_rows(self.kv_ptrs, self.kv_items, self.kv_items, a.num_pages, self.dev) \
             if prepare_local and self.config.prepped_dlists else None
-        return MemoryLayout(((a.mem_kind, kv), ("DRAM", dram)), local, a.mem_kind, scratch)
+        keep = (self.staging.buffer,) if self.staging is not None else ()
+        return MemoryLayout(((a.mem_kind, kv), ("DRAM", dram)), local, a.mem_kind, scratch, keep)
 
     # -- peers --------------------------------------------------------------------------
 
@@ -170,10 +173,18 @@ class WriteBuilder:
             raise
         return dataclasses.replace(write, notif=post.notif) if post.notif else write
 
-    def release(self, post_id: int) -> None:
-        """The post settled (or was never posted): its staging run, if any, is free again."""
-        if self.staging is not None:
-            self.staging.give(post_id)
+    def release(self, post_id: int, error: BaseException | None = None) -> None:
+        """The post settled (or was never posted): its staging run, if any, is free again, unless
+        the post settled with a handle still in flight, which may still read it: then the run stays
+        taken for good (quarantined; a peer stalled past the post's deadline, rare and logged)."""
+        if self.staging is None:
+            return
+        if getattr(error, "handle_in_flight", False):
+            if self.staging.quarantine(post_id):
+                log.warning("post %d settled with a NIXL handle still reading its staging run; the run stays "
+                            "taken (%d bytes of staging left)", post_id, self.staging.free_bytes)
+            return
+        self.staging.give(post_id)
 
     def _build(self, post: Post) -> Write:
         geom = self._peers.get(post.peer)

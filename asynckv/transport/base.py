@@ -7,8 +7,10 @@ imports neither nixl nor zmq: it talks to these protocols only.
 The data plane's contract, which the cores' fencing relies on:
 
 - every ``post`` settles exactly once, reported through ``on_settled``: all of it landed
-  (error None), or none of it can land any more (failed, cancelled, lease lapsed, past its
-  deadline, peer forgotten, plane closed);
+  (error None), or none of it can land any more (failed, cancelled, lease lapsed, peer
+  forgotten, plane closed), except a post past its deadline: it settles with its one handle
+  still in flight, and its error has ``handle_in_flight = True`` (that handle may still read
+  the post's source memory and land bytes: see ``nixl_engine``);
 - a write is done as a series of handles (``Write.pieces``); the lease and the cancel set
   are checked before each handle, so once a post is cancelled or its lease has lapsed at
   most the one handle already copying can still land;
@@ -50,6 +52,9 @@ class MemoryLayout:
     local_kind: str = "DRAM"
     scratch: tuple[int, int] = (0, 0)
     """(addr, len) of a small DRAM region peers may write during the first-contact warm-up."""
+    keep: tuple[object, ...] = ()
+    """Buffers registered here on the plane's behalf (the staging area): a plane that closes with
+    handles still in flight keeps them, with its agent, until the process exits."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

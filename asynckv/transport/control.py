@@ -153,14 +153,15 @@ class ControlChannel:
         # and no event-loop callback per message (those were ~40% of a message's cost on this path).
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(pull.underlying)
         in_a_row = 0
+        queued = False
         while True:
             try:
-                if in_a_row:
+                if queued:
                     try:
                         frames, origin = self._recv_now(sync)
                     except zmq.Again:
-                        in_a_row = 0
-                        continue
+                        queued = False  # (the awaited recv does not yield when a message is queued:
+                        continue        # in_a_row keeps counting towards the yield below)
                 else:
                     frames, origin = await self._recv(pull)
             except asyncio.CancelledError:
@@ -169,11 +170,12 @@ class ControlChannel:
                 if self._closed:
                     return
                 self._rl.warning("recv", "control reader: recv failed: %s", exc)
-                in_a_row = 0
+                queued = False
                 await asyncio.sleep(0.01)
                 continue
             self.received += 1
             self._handle(frames, origin)
+            queued = True
             in_a_row += 1
             if in_a_row >= READ_BATCH:
                 in_a_row = 0

@@ -92,10 +92,10 @@ class LanedDataPlane:
         await asyncio.gather(*(lane.warm_up(peer, dst, timeout_s) for lane in self.lanes))
 
     def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
-        load = self._load
-        best = min(load)
-        n = len(load)
-        lane = next(i for k in range(n) if load[i := (self._next + k) % n] == best)
+        load, n = self._load, len(self._load)
+        alive = [i for i in range(n) if self.lanes[i].alive] or list(range(n))  # (a dead lane settles it)
+        best = min(load[i] for i in alive)
+        lane = next(i for k in range(n) if (i := (self._next + k) % n) in alive and load[i] == best)
         self._next = (lane + 1) % n
         load[lane] += 1
         self._owner[post_id] = lane

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import ClosedError
+from ..errors import ClosedError, TransportError
 from .base import U64, DescPiece, MemoryLayout, Write
 from .commands import Call, Cancel, Command, Forget, PostCmd, map_nixl_error
 from .nixl_engine import NixlEngine
@@ -61,6 +62,9 @@ class NixlDataPlane(NixlEngine):
         if self._closed:
             self._settle_soon([(post_id, ClosedError("data plane closed"))])
             return
+        if not self.alive:  # its engine thread died: nothing would ever take the post
+            self._settle_soon([(post_id, TransportError(f"data plane {self.name[:8]}: engine thread is dead"))])
+            return
         self._put(PostCmd(post_id, peer, write, timeout_s))
 
     def cancel(self, post_ids: Sequence[int], reason: BaseException) -> None:
@@ -77,8 +81,12 @@ class NixlDataPlane(NixlEngine):
 
     async def close(self) -> None:
         """Release every handle, dlist and remote agent, deregister memory, stop the thread."""
-        if self._closed or self._thread is None or not self._thread.is_alive():  # (a dead thread answers nothing)
+        if self._closed or self._thread is None:
             self._closed = True
+            return
+        if not self._thread.is_alive():  # it died: settle what it never took, or took and never finished
+            self._closed = True
+            self._settle_orphans()
             return
         try:
             await self._call(self._shutdown)
@@ -107,6 +115,28 @@ class NixlDataPlane(NixlEngine):
     def _put(self, cmd: Command) -> None:
         self._commands.put(cmd)
         self._wake.set()
+
+    def _settle_orphans(self) -> None:
+        """After the engine thread died: every post it held or never took settles (with the error),
+        every call fails, so that no caller waits for ever (the contract: each post settles once)."""
+        err = TransportError(f"data plane {self.name[:8]}: engine thread died ({self.thread_error!r})")
+        batch: list[tuple[int, BaseException | None]] = []
+        orphans: list[Any] = [*self._in_flight]
+        self._in_flight = []
+        while True:
+            try:
+                orphans.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in orphans:
+            fut = getattr(cmd, "fut", None)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_exception(err)
+            elif isinstance(cmd, PostCmd):
+                batch.append((cmd.post_id, err))
+        if batch:
+            self._settle_soon(batch)
 
     def _settle_soon(self, batch: list[tuple[int, BaseException | None]]) -> None:
         if self._loop is not None:

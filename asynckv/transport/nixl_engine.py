@@ -218,7 +218,8 @@ class NixlEngine:
             log.warning("data plane %s: %d transfers still in flight to stopped peers at close; keeping the "
                         "NIXL agent (and its memory registrations) until the process exits", self.name,
                         len(self._parked))
-            keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles))
+            keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles,
+                             self._memory))
             self._reg_handles = []
             self._deliver(done)
             return
@@ -396,6 +397,8 @@ class NixlEngine:
         if post.handle is not None:
             self._parked.append((post.peer, post.handle))
             post.handle = None
+            if error is not None:  # the caller must not reuse what the handle may still read or write
+                error.handle_in_flight = True  # type: ignore[attr-defined]
         elif error is None and post.write.notif:  # every byte landed: now (never for a write that stopped)
             try:
                 self._agent.send_notif(post.peer, post.write.notif)

@@ -239,9 +239,10 @@ async def test_a_64mib_destination_longer_than_the_pool_is_refused_without_a_sor
 # -- item 5: a head-slice chunk -----------------------------------------------------------------------
 
 
-async def test_a_1000_page_head_slice_chunk_is_built_off_the_loop() -> None:
+@pytest.mark.parametrize("staging_bytes", [256 * 2**20, 0], ids=["staged", "per-token"])
+async def test_a_1000_page_head_slice_chunk_is_built_off_the_loop(staging_bytes: int) -> None:
     lay = Layout(1, 2, 8, page_size=16, head_dim=8, pages=1024)  # prefill TP 1 -> decode TP 2: head slices
-    async with cluster(lay) as (prefill, decode, addr):
+    async with cluster(lay, staging_bytes=staging_bytes) as (prefill, decode, addr):
         [rank] = prefill
         assert rank.mgr is not None
         builder = rank.mgr._svc.builder  # type: ignore[union-attr]
@@ -258,4 +259,7 @@ async def test_a_1000_page_head_slice_chunk_is_built_off_the_loop() -> None:
             await run_room(lay, prefill, decode, addr, 5, 1000, np.random.default_rng(1), chunk=1000)
         print(f"head-slice chunks (pages, descriptors, on the loop): {seen}; worst loop lag {lag.worst * 1000:.1f} ms")
         assert seen and all(pages == 1000 and not on_loop for pages, _, on_loop in seen)
-        assert all(descs >= 1000 * 8 for _, descs, _ in seen)  # merged; built as pages x 8 entries x 16 tokens
+        if staging_bytes:  # gathered into whole pages: at most one descriptor per page and entry
+            assert all(descs <= 1000 * 8 for _, descs, _ in seen)
+        else:  # merged; built as pages x 8 entries x 16 tokens
+            assert all(descs >= 1000 * 8 for _, descs, _ in seen)

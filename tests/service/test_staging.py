@@ -55,3 +55,32 @@ def test_random_take_and_give_never_overlap_and_merge_back_to_one_run(seed: int)
     for post in list(held):
         area.give(post)
     assert area._free == [(0, area.capacity)]
+
+
+def test_a_quarantined_run_is_never_handed_out_again() -> None:
+    area = StagingArea(256)
+    assert area.take(1, 128) == 0 and area.take(2, 128) == 128
+    assert area.quarantine(1) and not area.quarantine(1)
+    area.give(1)  # (a late give of a quarantined post frees nothing)
+    area.give(2)
+    assert area.quarantined == 128 and area.free_bytes == 128 and area.take(3, 256) is None
+    assert area.take(4, 128) == 128
+
+
+def test_the_builder_quarantines_the_run_of_a_post_whose_handle_is_still_in_flight() -> None:
+    from asynckv.config import Config
+    from asynckv.errors import TransferTimeout
+    from asynckv.service.writes import WriteBuilder
+    from asynckv.testing import KVPool
+
+    builder = WriteBuilder(KVPool(2, 8, 256).kv_args(4), Config(staging_bytes=4096))
+    builder.memory_layout((0x9000, 64), prepare_local=True)
+    staging = builder.staging
+    assert staging is not None
+    staging.take(1, 1024)
+    staging.take(2, 1024)
+    stuck = TransferTimeout("past its deadline")
+    stuck.handle_in_flight = True  # type: ignore[attr-defined]
+    builder.release(1, stuck)
+    builder.release(2, TransferTimeout("lease"))
+    assert staging.quarantined == 1024 and staging.free_bytes == 4096 - 1024 and staging.held == 0

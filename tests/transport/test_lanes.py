@@ -118,3 +118,64 @@ async def test_a_lane_that_cannot_start_closes_the_others_and_the_error_is_raise
     with pytest.raises(Exception, match="cannot create NIXL agent"):
         await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
     assert not any(lane.alive for lane in plane.lanes)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+async def test_a_dead_lane_takes_no_more_posts_and_close_settles_what_it_held() -> None:
+    """An engine thread that died must not swallow posts: new ones go to the live lane, and close
+    settles (with the error) every post the dead one held, so each post still settles once."""
+    a, b = FakeAgent(), FakeAgent()
+    kill = {"now": False}
+    real = b.get_new_notifs
+
+    def notifs() -> dict[str, list[bytes]]:
+        if kill["now"]:  # what no handler in the engine catches: its thread ends
+            raise SystemExit("engine bug")
+        return real()
+    b.get_new_notifs = notifs  # type: ignore[method-assign]
+    made = iter([a, b])
+    plane = LanedDataPlane.make("me", 2, lambda name: NixlDataPlane(name, agent_factory=lambda n, bk: next(made)))
+    settled: list[tuple[int, BaseException | None]] = []
+    plane.on_settled = settled.extend
+    await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
+    await plane.connect_peer("peer", stub_agent_metadata("peer"), rows(4), "DRAM")
+    plane.set_lease("peer", time.monotonic() + 60)
+    plane.post(1, "peer", prepped(), 30.0)  # lane 0 (stays in flight)
+    plane.post(2, "peer", prepped(), 30.0)  # lane 1 (stays in flight, then its thread dies)
+    await until(lambda: transfers(a) == 1 and transfers(b) == 1)
+    kill["now"] = True
+    lane1 = plane.lanes[1]
+    assert lane1._thread is not None
+    await until(lambda: not lane1._thread.is_alive())  # type: ignore[union-attr]
+    for post_id in (3, 4):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    a.finish = True
+    await until(lambda: sorted(p for p, _ in settled) == [1, 3, 4])
+    assert transfers(a) == 3 and not plane.alive
+    await plane.close()
+    await until(lambda: len(settled) == 4)
+    dead = dict(settled)[2]
+    assert dead is not None and "engine thread died" in str(dead)
+    assert plane._owner == {} and plane._load == [0, 0]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+async def test_a_plane_whose_engine_thread_died_settles_posts_at_once() -> None:
+    agent = FakeAgent()
+    state = {"die": False}
+
+    def expecting() -> bool:
+        if state["die"]:
+            raise RuntimeError("engine bug")
+        return False
+    plane = NixlDataPlane("me", agent_factory=lambda n, b: agent, expecting=expecting)
+    settled: list[tuple[int, BaseException | None]] = []
+    plane.on_settled = settled.extend
+    await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
+    state["die"] = True
+    assert plane._thread is not None
+    await until(lambda: not plane._thread.is_alive())  # type: ignore[union-attr]
+    plane.post(7, "peer", prepped(), 30.0)
+    await until(lambda: len(settled) == 1)
+    assert settled[0][0] == 7 and "engine thread is dead" in str(settled[0][1])
+    await plane.close()

@@ -277,3 +277,20 @@ async def test_a_writes_notification_goes_once_it_all_landed_and_never_for_a_can
     assert agent.sent_notifs == [("peer", b"x")]  # the cancelled write's notification never went
     await plane.close()
     assert agent.live == agent.released
+
+
+async def test_a_post_past_its_deadline_settles_marked_with_its_handle_still_in_flight() -> None:
+    """Its handle is parked, still reading the post's source: the error says so (a staging run must
+    not be reused for it); a cancelled post settles only once its handle finished, unmarked."""
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    plane.post(1, "peer", prepped(), 0.05)
+    await until(lambda: len(settled) == 1)
+    assert isinstance(settled[0][1], TransferTimeout) and getattr(settled[0][1], "handle_in_flight", False)
+    plane.post(2, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 1)
+    plane.cancel([2], PeerUnreachable("aborted"))
+    agent.finish = True
+    await until(lambda: len(settled) == 2)
+    assert not getattr(settled[1][1], "handle_in_flight", False)
+    await plane.close()
