@@ -13,7 +13,8 @@ The data plane's contract, which the cores' fencing relies on:
   the post's source memory and land bytes: see ``nixl_engine``);
 - a write is done as a series of handles (``Write.pieces``); the lease and the cancel set
   are checked before each handle, so once a post is cancelled or its lease has lapsed at
-  most the one handle already copying can still land;
+  most the one handle already copying can still land (one per write lane when a prefill
+  spreads a large write's handles over its lanes: ``transport.lanes``);
 - ``forget_peer`` cancels the peer's posts, releases what was prepared for it and removes
   its agent, in that order, before any later ``connect_peer`` of the same name;
 - ``close`` does the same for every peer, then deregisters memory.

@@ -8,10 +8,14 @@ thread. Measured on the 2-core VM, raw NIXL, 16 requests of 64 buffers x 32 page
 into another process: one agent 3.5-4.1 GB/s scattered and 4.7-5.3 contiguous; two agents on
 two threads 6.3-6.6 and 8.4-9.2 (``benchmarks/bench_scaling.py`` measures it through asynckv).
 
-A post goes whole to the lane with the fewest posts in flight, so every rule of
-``NixlEngine`` still holds per post (one handle in flight, lease and cancel checked before
-each handle, its notification sent only once all of it landed); posts of one room may land
-in any order, as they already could over TCP. Peers are connected, leased, warmed up and
+A post goes to the lane with the fewest posts in flight. A post of several handles (the write
+builder cuts a large write into one handle per lane) is split: its handles go round-robin to
+several lanes as parts, and it settles once every part did, with the first error; a cancel
+reaches every part. Every rule of ``NixlEngine`` still holds per part (one handle in flight,
+lease and cancel checked before each handle), so a cancelled or lease-lapsed write can still
+land at most one handle per lane. A write with a notification (SGLang's wire) is never split:
+the notification goes once all of it landed. Posts of one room may land in any order, as they
+already could over TCP. Peers are connected, leased, warmed up and
 forgotten on every lane. Lane 0's agent carries the manager's name; lane ``i`` is
 ``<name>.<i>`` (a decode never loads a prefill's metadata, and SGLang's decode matches
 notifications by their text, not their sender).
@@ -20,6 +24,7 @@ notifications by their text, not their sender).
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +46,12 @@ class LanedDataPlane:
         """post id -> lane, until it settles (cancels go to that lane only)."""
         self._load = [0] * len(self.lanes)
         self._next = 0
+        self._split: dict[int, _Split] = {}
+        """part id -> the write it is a part of."""
+        self._parts: dict[int, list[int]] = {}
+        """post id of a split write -> its part ids (cancels reach every part)."""
+        self._part_ids = itertools.count(1 << 62)
+        """Part ids: far above any id the cores give a post."""
         for i, lane in enumerate(self.lanes):
             lane.on_settled = self._settled_on(i)
 
@@ -92,18 +103,38 @@ class LanedDataPlane:
         await asyncio.gather(*(lane.warm_up(peer, dst, timeout_s) for lane in self.lanes))
 
     def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
+        alive = [i for i, lane in enumerate(self.lanes) if lane.alive] or list(range(len(self.lanes)))
+        if write.notif or len(write.pieces) < 2 or len(alive) < 2:
+            self._post_on(self._pick(alive, 1)[0], post_id, peer, write, timeout_s)
+            return
+        # Its handles go round-robin to several lanes, as parts that settle it together.
+        parts = [p for p in (write.pieces[i::len(alive)] for i in range(len(alive))) if p]
+        group = _Split(post_id, len(parts))
+        self._parts[post_id] = []
+        for lane, pieces in zip(self._pick(alive, len(parts)), parts, strict=True):
+            part_id = next(self._part_ids)
+            self._split[part_id] = group
+            self._parts[post_id].append(part_id)
+            share = Write(pieces, write.descriptors * len(pieces) // len(write.pieces),
+                          write.nbytes * len(pieces) // len(write.pieces))
+            self._post_on(lane, part_id, peer, share, timeout_s)
+
+    def _pick(self, alive: list[int], count: int) -> list[int]:
+        """``count`` distinct live lanes, those with the fewest posts in flight first, ties in turn."""
         load, n = self._load, len(self._load)
-        alive = [i for i in range(n) if self.lanes[i].alive] or list(range(n))  # (a dead lane settles it)
-        best = min(load[i] for i in alive)
-        lane = next(i for k in range(n) if (i := (self._next + k) % n) in alive and load[i] == best)
-        self._next = (lane + 1) % n
-        load[lane] += 1
+        order = sorted((i for k in range(n) if (i := (self._next + k) % n) in alive), key=lambda i: load[i])
+        chosen = order[:count]
+        self._next = (chosen[-1] + 1) % n
+        return chosen
+
+    def _post_on(self, lane: int, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
+        self._load[lane] += 1
         self._owner[post_id] = lane
         self.lanes[lane].post(post_id, peer, write, timeout_s)
 
     def cancel(self, post_ids: Sequence[int], reason: BaseException) -> None:
         by_lane: dict[int, list[int]] = {}
-        for post_id in post_ids:
+        for post_id in [part for p in post_ids for part in self._parts.get(p, [p])]:
             lane = self._owner.get(post_id)
             if lane is not None:
                 by_lane.setdefault(lane, []).append(post_id)
@@ -127,8 +158,30 @@ class LanedDataPlane:
 
     def _settled_on(self, lane: int) -> Settled:
         def settled(batch: list[tuple[int, BaseException | None]]) -> None:
-            for post_id, _ in batch:
+            out: list[tuple[int, BaseException | None]] = []
+            for post_id, error in batch:
                 if self._owner.pop(post_id, None) is not None:
                     self._load[lane] -= 1
-            self.on_settled(batch)
+                group = self._split.pop(post_id, None)
+                if group is None:
+                    out.append((post_id, error))
+                    continue
+                group.left -= 1
+                group.error = group.error or error
+                if group.left == 0:  # the write settles once every part did, with the first error
+                    self._parts.pop(group.post_id, None)
+                    out.append((group.post_id, group.error))
+            if out:
+                self.on_settled(out)
         return settled
+
+
+class _Split:
+    """A write posted as parts on several lanes: it settles when the last part does."""
+
+    __slots__ = ("error", "left", "post_id")
+
+    def __init__(self, post_id: int, parts: int) -> None:
+        self.post_id = post_id
+        self.left = parts
+        self.error: BaseException | None = None

@@ -9,7 +9,7 @@ import pytest
 
 from asynckv.errors import RemoteProtocolError
 from asynckv.proto.topology import stub_agent_metadata
-from asynckv.transport.base import MemoryLayout
+from asynckv.transport.base import MemoryLayout, Write
 from asynckv.transport.lanes import LanedDataPlane
 from asynckv.transport.nixl import NixlDataPlane
 
@@ -63,8 +63,7 @@ async def test_posts_go_to_the_lane_with_fewest_in_flight_and_settle_through_one
 async def test_a_cancel_reaches_the_lane_that_holds_the_post_only() -> None:
     a, b = FakeAgent(), FakeAgent()
     plane, settled = await laned([a, b])
-    two = prepped(2)
-    plane.post(1, "peer", two.__class__((*two.pieces, *two.pieces), 4, 256), 30.0)  # two handles
+    plane.post(1, "peer", prepped(), 30.0)
     plane.post(2, "peer", prepped(), 30.0)
     await until(lambda: transfers(a) == 1 and transfers(b) == 1)
     plane.cancel([1], RemoteProtocolError("aborted"))
@@ -73,7 +72,6 @@ async def test_a_cancel_reaches_the_lane_that_holds_the_post_only() -> None:
     await until(lambda: len(settled) == 2)
     outcome = dict(settled)
     assert isinstance(outcome[1], RemoteProtocolError) and outcome[2] is None
-    assert transfers(a) == 1  # the second handle of post 1 never started
     await plane.close()
 
 
@@ -178,4 +176,30 @@ async def test_a_plane_whose_engine_thread_died_settles_posts_at_once() -> None:
     plane.post(7, "peer", prepped(), 30.0)
     await until(lambda: len(settled) == 1)
     assert settled[0][0] == 7 and "engine thread is dead" in str(settled[0][1])
+    await plane.close()
+
+
+async def test_a_write_of_several_handles_is_split_over_the_lanes_and_settles_once() -> None:
+    """Its handles go round-robin to both lanes (copying at once); it settles when both parts did,
+    with the first error, and a cancel reaches both parts."""
+    a, b = FakeAgent(), FakeAgent()
+    plane, settled = await laned([a, b])
+    four = prepped()
+    plane.post(1, "peer", Write(four.pieces * 4, 8, 512), 30.0)
+    await until(lambda: transfers(a) == 1 and transfers(b) == 1)  # one handle in flight per lane
+    a.finish = b.finish = True
+    await until(lambda: settled == [(1, None)])
+    assert transfers(a) == transfers(b) == 2 and plane.posts_in_flight == 0
+    a.finish = b.finish = False
+    plane.post(2, "peer", Write(four.pieces * 4, 8, 512), 30.0)
+    await until(lambda: transfers(a) == 3 and transfers(b) == 3)
+    plane.cancel([2], RemoteProtocolError("aborted"))
+    a.finish = b.finish = True
+    await until(lambda: len(settled) == 2)
+    assert settled[1][0] == 2 and isinstance(settled[1][1], RemoteProtocolError)
+    assert transfers(a) == transfers(b) == 3  # each lane's second handle never started
+    assert plane._owner == {} and plane._split == {} and plane._parts == {} and plane._load == [0, 0]
+    plane.post(3, "peer", Write(four.pieces * 2, 4, 256, notif=b"3_kv_0_1_0"), 30.0)  # (SGLang's wire)
+    await until(lambda: len(settled) == 3)
+    assert {transfers(a), transfers(b)} == {5, 3}  # both handles on one lane: not split
     await plane.close()
