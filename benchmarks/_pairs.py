@@ -70,8 +70,8 @@ class RawNixl:
                                  agent.prep_xfer_dlist("raw-b", self._rows(dst), "DRAM")))
         self.a, self.local, self.remote = self.writers[0]
         self.pages, self.entries = src.num_pages, src.entries
-        for i in range(initiators):
-            self._post(i, np.arange(1), np.arange(1))  # warm-up, as asynckv does on first contact
+        for i in range(initiators):  # warm-up, as asynckv does on first contact (the target must progress)
+            self._post(i, np.arange(1), np.arange(1), progress_target=True)
 
     @staticmethod
     def _regions(pool: KVPool) -> list[tuple[int, int, int, str]]:
@@ -103,17 +103,21 @@ class RawNixl:
         self.a.release_xfer_handle(h)
         return elapsed
 
-    def _post(self, writer: int, src: np.ndarray, dst: np.ndarray) -> None:
-        """One WRITE without notification, from initiator ``writer`` (its thread only)."""
+    def _post(self, writer: int, src: np.ndarray, dst: np.ndarray, progress_target: bool = False) -> None:
+        """One WRITE without notification, from initiator ``writer`` (its thread only; the target is
+        progressed only with ``progress_target``, from one thread: connection set-up needs it)."""
         agent, local, remote = self.writers[writer]
         h = agent.make_prepped_xfer("WRITE", local, self._idx(src), remote, self._idx(dst), b"")
         state = agent.transfer(h)
         while state != "DONE":
+            if progress_target:
+                self.b.get_new_notifs()
             state = agent.check_xfer_state(h)
         agent.release_xfer_handle(h)
 
     def write_parallel(self, sets: list[tuple[np.ndarray, np.ndarray]]) -> float:
-        """Seconds to post ``sets`` (src, dst) spread over the initiators, one thread each."""
+        """Seconds to post ``sets`` (src, dst) spread over the initiators, one thread each, while
+        this thread progresses the target (some transfers stalled without it)."""
         import threading
 
         n = len(self.writers)
@@ -122,6 +126,8 @@ class RawNixl:
         t0 = time.perf_counter()
         for t in threads:
             t.start()
+        while any(t.is_alive() for t in threads):  # the target progresses here, its one thread
+            self.b.get_new_notifs()
         for t in threads:
             t.join()
         return time.perf_counter() - t0
