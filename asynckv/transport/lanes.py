@@ -168,6 +168,8 @@ class LanedDataPlane:
                     continue
                 group.left -= 1
                 group.error = group.error or error
+                if getattr(error, "handle_in_flight", False) and group.error is not None:
+                    group.error.handle_in_flight = True  # type: ignore[attr-defined]  # (any part's counts)
                 if group.left == 0:  # the write settles once every part did, with the first error
                     self._parts.pop(group.post_id, None)
                     out.append((group.post_id, group.error))

@@ -203,3 +203,19 @@ async def test_a_write_of_several_handles_is_split_over_the_lanes_and_settles_on
     await until(lambda: len(settled) == 3)
     assert {transfers(a), transfers(b)} == {5, 3}  # both handles on one lane: not split
     await plane.close()
+
+
+async def test_a_split_write_with_one_part_stuck_past_its_deadline_reports_its_handle_in_flight() -> None:
+    """A cancelled split write: one part's handle finishes (it settles with the cancel), the other
+    stays in flight past the deadline. The write's one error must still say a handle is in flight
+    (the prefill must not reuse a staging run that handle may still read)."""
+    a, b = FakeAgent(), FakeAgent()
+    plane, settled = await laned([a, b])
+    plane.post(1, "peer", Write(prepped().pieces * 2, 4, 256), 0.3)
+    await until(lambda: transfers(a) == 1 and transfers(b) == 1)
+    plane.cancel([1], RemoteProtocolError("aborted"))
+    a.finish = True  # lane 0's part settles first, with the cancel
+    await until(lambda: len(settled) == 1, timeout=3.0)
+    assert isinstance(settled[0][1], RemoteProtocolError) and getattr(settled[0][1], "handle_in_flight", False)
+    b.finish = True
+    await plane.close()
