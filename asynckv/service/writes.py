@@ -176,13 +176,13 @@ class WriteBuilder:
             raise
         return dataclasses.replace(write, notif=post.notif) if post.notif else write
 
-    def release(self, post_id: int, error: BaseException | None = None) -> None:
+    def release(self, post_id: int, in_flight: bool = False) -> None:
         """The post settled (or was never posted): its staging run, if any, is free again, unless
-        the post settled with a handle still in flight, which may still read it: then the run stays
-        taken for good (quarantined; a peer stalled past the post's deadline, rare and logged)."""
+        the post settled with a handle still ``in_flight``, which may still read it: then the run
+        stays taken for good (quarantined; a peer stalled past the post's deadline, rare, logged)."""
         if self.staging is None:
             return
-        if getattr(error, "handle_in_flight", False):
+        if in_flight:
             if self.staging.quarantine(post_id):
                 log.warning("post %d settled with a NIXL handle still reading its staging run; the run stays "
                             "taken (%d bytes of staging left)", post_id, self.staging.free_bytes)

@@ -56,6 +56,11 @@ class FaultInjector:
     def delay_posts(self, seconds: float) -> None:
         self._delay_s = seconds
 
+    def take_in_flight(self, post_id: int) -> bool:
+        """The wrapped plane's answer (``transport.base``), False when it has none."""
+        fn = getattr(self._inner, "take_in_flight", None)
+        return bool(fn is not None and fn(post_id))
+
     def wrap(self, inner: DataPlane) -> FaultInjector:
         self._inner = inner
         inner.on_settled = lambda batch: self.on_settled(batch)

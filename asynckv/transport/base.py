@@ -8,9 +8,9 @@ The data plane's contract, which the cores' fencing relies on:
 
 - every ``post`` settles exactly once, reported through ``on_settled``: all of it landed
   (error None), or none of it can land any more (failed, cancelled, lease lapsed, peer
-  forgotten, plane closed), except a post past its deadline: it settles with its one handle
-  still in flight, and its error has ``handle_in_flight = True`` (that handle may still read
-  the post's source memory and land bytes: see ``nixl_engine``);
+  forgotten, plane closed), except a post past its deadline (or at close): it settles with a
+  handle still in flight, which may still read the post's source memory and land bytes (see
+  ``nixl_engine``); the NIXL planes answer ``take_in_flight(post_id)`` True for it, once;
 - a write is done as a series of handles (``Write.pieces``); the lease and the cancel set
   are checked before each handle, so once a post is cancelled or its lease has lapsed at
   most the one handle already copying can still land (one per write lane when a prefill

@@ -50,6 +50,8 @@ class LanedDataPlane:
         """part id -> the write it is a part of."""
         self._parts: dict[int, list[int]] = {}
         """post id of a split write -> its part ids (cancels reach every part)."""
+        self._in_flight: set[int] = set()
+        """Settled posts that left a handle in flight on some lane (``take_in_flight``)."""
         self._part_ids = itertools.count(1 << 62)
         """Part ids: far above any id the cores give a post."""
         for i, lane in enumerate(self.lanes):
@@ -152,6 +154,14 @@ class LanedDataPlane:
     async def close(self) -> None:
         await asyncio.gather(*(lane.close() for lane in self.lanes))
 
+    def take_in_flight(self, post_id: int) -> bool:
+        """``NixlEngine.take_in_flight`` over the lanes (a split write: any of its parts)."""
+        try:
+            self._in_flight.remove(post_id)
+        except KeyError:
+            return False
+        return True
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(agent, *args)`` on lane 0's engine thread."""
         return await self.lanes[0].call(fn, *args)
@@ -162,16 +172,20 @@ class LanedDataPlane:
             for post_id, error in batch:
                 if self._owner.pop(post_id, None) is not None:
                     self._load[lane] -= 1
+                in_flight = self.lanes[lane].take_in_flight(post_id)
                 group = self._split.pop(post_id, None)
                 if group is None:
+                    if in_flight:
+                        self._in_flight.add(post_id)
                     out.append((post_id, error))
                     continue
                 group.left -= 1
                 group.error = group.error or error
-                if getattr(error, "handle_in_flight", False) and group.error is not None:
-                    group.error.handle_in_flight = True  # type: ignore[attr-defined]  # (any part's counts)
+                group.in_flight = group.in_flight or in_flight  # (any part's handle counts)
                 if group.left == 0:  # the write settles once every part did, with the first error
                     self._parts.pop(group.post_id, None)
+                    if group.in_flight:
+                        self._in_flight.add(group.post_id)
                     out.append((group.post_id, group.error))
             if out:
                 self.on_settled(out)
@@ -181,9 +195,10 @@ class LanedDataPlane:
 class _Split:
     """A write posted as parts on several lanes: it settles when the last part does."""
 
-    __slots__ = ("error", "left", "post_id")
+    __slots__ = ("error", "in_flight", "left", "post_id")
 
     def __init__(self, post_id: int, parts: int) -> None:
         self.post_id = post_id
         self.left = parts
         self.error: BaseException | None = None
+        self.in_flight = False

@@ -129,6 +129,8 @@ class NixlDataPlane(NixlEngine):
             except queue.Empty:
                 break
         for cmd in orphans:
+            if isinstance(cmd, PostCmd) and cmd.handle is not None and cmd.fut is None:
+                self.settled_in_flight.add(cmd.post_id)  # (whatever UCX still does with it)
             fut = getattr(cmd, "fut", None)
             if fut is not None:
                 if not fut.done():

@@ -90,6 +90,9 @@ class NixlEngine:
         self._cancelled: dict[int, BaseException] = {}
         """Posts the loop cancelled; read between handles (a dict update is atomic under the GIL)."""
         self._in_flight: list[PostCmd] = []
+        self.settled_in_flight: set[int] = set()
+        """Posts that settled with a handle still in flight (see ``take_in_flight``); added on the engine
+        thread before their settle is delivered."""
         self.posts_in_flight = 0
         self.rounds = 0
         self.thread_error: BaseException | None = None
@@ -397,8 +400,8 @@ class NixlEngine:
         if post.handle is not None:
             self._parked.append((post.peer, post.handle))
             post.handle = None
-            if error is not None:  # the caller must not reuse what the handle may still read or write
-                error.handle_in_flight = True  # type: ignore[attr-defined]
+            if post.fut is None:  # the caller must not reuse what that handle may still read
+                self.settled_in_flight.add(post.post_id)
         elif error is None and post.write.notif:  # every byte landed: now (never for a write that stopped)
             try:
                 self._agent.send_notif(post.peer, post.write.notif)
@@ -406,6 +409,15 @@ class NixlEngine:
                 error = map_nixl_error(exc, f"post {post.post_id}: notification")
         self._cancelled.pop(post.post_id, None)
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
+
+    def take_in_flight(self, post_id: int) -> bool:
+        """Whether settled post ``post_id`` left a handle in flight, which may still read its source
+        memory (and land bytes); asked once, on the loop, when its settle arrives."""
+        try:
+            self.settled_in_flight.remove(post_id)
+        except KeyError:
+            return False
+        return True
 
     def _notify(self, notifs: dict[str, list[bytes]]) -> None:
         if notifs and self._loop is not None and self.on_notified is not None:  # (otherwise dropped)

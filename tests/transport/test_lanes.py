@@ -211,11 +211,15 @@ async def test_a_split_write_with_one_part_stuck_past_its_deadline_reports_its_h
     (the prefill must not reuse a staging run that handle may still read)."""
     a, b = FakeAgent(), FakeAgent()
     plane, settled = await laned([a, b])
+    reason = RemoteProtocolError("aborted")  # (the cores cancel a room's posts with one shared reason)
     plane.post(1, "peer", Write(prepped().pieces * 2, 4, 256), 0.3)
     await until(lambda: transfers(a) == 1 and transfers(b) == 1)
-    plane.cancel([1], RemoteProtocolError("aborted"))
-    a.finish = True  # lane 0's part settles first, with the cancel
-    await until(lambda: len(settled) == 1, timeout=3.0)
-    assert isinstance(settled[0][1], RemoteProtocolError) and getattr(settled[0][1], "handle_in_flight", False)
+    plane.post(2, "peer", prepped(), 30.0)  # lane 0, queued behind post 1's part
+    plane.cancel([1, 2], reason)
+    a.finish = True  # lane 0's part settles first, with the cancel; post 2 never starts a handle
+    await until(lambda: len(settled) == 2, timeout=3.0)
+    outcome = dict(settled)
+    assert outcome[1] is reason and outcome[2] is reason
+    assert plane.take_in_flight(1) and not plane.take_in_flight(2)  # the flag is the post's, not the reason's
     b.finish = True
     await plane.close()

@@ -280,17 +280,17 @@ async def test_a_writes_notification_goes_once_it_all_landed_and_never_for_a_can
 
 
 async def test_a_post_past_its_deadline_settles_marked_with_its_handle_still_in_flight() -> None:
-    """Its handle is parked, still reading the post's source: the error says so (a staging run must
-    not be reused for it); a cancelled post settles only once its handle finished, unmarked."""
+    """Its handle is parked, still reading the post's source: the plane says so, once (a staging run
+    must not be reused for it); a cancelled post settles only once its handle finished, unmarked."""
     agent = FakeAgent()
     plane, settled = await started(agent)
     plane.post(1, "peer", prepped(), 0.05)
     await until(lambda: len(settled) == 1)
-    assert isinstance(settled[0][1], TransferTimeout) and getattr(settled[0][1], "handle_in_flight", False)
+    assert isinstance(settled[0][1], TransferTimeout) and plane.take_in_flight(1) and not plane.take_in_flight(1)
     plane.post(2, "peer", prepped(), 30.0)
     await until(lambda: plane.posts_in_flight == 1)
     plane.cancel([2], PeerUnreachable("aborted"))
     agent.finish = True
     await until(lambda: len(settled) == 2)
-    assert not getattr(settled[1][1], "handle_in_flight", False)
+    assert not plane.take_in_flight(2)
     await plane.close()
