@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +45,16 @@ def best_of(fn: Callable[[], Any], repeat: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def medians(runs: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """Per key: the median over ``runs`` and ``<key>_spread`` = [min, max]."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [r[key] for r in runs]
+        out[key] = statistics.median(values)
+        out[f"{key}_spread"] = [min(values), max(values)]
+    return out
 
 
 def write_result(name: str, data: dict[str, Any], out_dir: pathlib.Path | None = None) -> pathlib.Path:

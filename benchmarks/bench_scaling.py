@@ -19,14 +19,13 @@ import argparse
 import functools
 import os
 import pathlib
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from asynckv import Config
 
-from ._common import write_result
+from ._common import medians, write_result
 from .bench_seed_workload import measure_case
 
 PAGES = [1, 4, 16, 64, 256]
@@ -38,12 +37,7 @@ def _requests(pages: int, budget: int) -> int:
 
 
 def _point(runs: list[dict[str, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in ("gbps", "rps", "p50_ms", "p99_ms", "cpu_prefill_s", "gb"):
-        values = [r[key] for r in runs]
-        out[key] = statistics.median(values)
-        out[f"{key}_spread"] = [min(values), max(values)]
-    return out
+    return medians(runs, ("gbps", "rps", "p50_ms", "p99_ms", "cpu_prefill_s", "gb"))
 
 
 def _with_lanes(lanes: int, fn: Callable[[], dict[str, float]]) -> dict[str, float]:

@@ -32,7 +32,7 @@ import numpy as np
 from asynckv.demo import DemoSpec
 
 from . import bench_seed_workload
-from ._common import write_result
+from ._common import medians, write_result
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VENV = pathlib.Path(os.environ.get("ASYNCKV_SGLANG_VENV", ROOT / ".cache" / "sglang-0.5.10"))
@@ -103,11 +103,7 @@ def sglang_case(python: pathlib.Path, requests: int, pages: int, inflight: int, 
 
 
 def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in ("gbps", "rps", "p50_ms", "p99_ms", "cpu_decode_s", "cpu_prefill_s"):
-        values = [r[key] for r in runs]
-        out[key] = statistics.median(values)
-        out[f"{key}_spread"] = [min(values), max(values)]
+    out = medians(runs, ("gbps", "rps", "p50_ms", "p99_ms", "cpu_decode_s", "cpu_prefill_s"))
     out["cpu_s_per_gb"] = statistics.median((r["cpu_decode_s"] + r["cpu_prefill_s"]) / r["gb"] for r in runs)
     return out
 
