@@ -15,10 +15,10 @@ reaches every part. Every rule of ``NixlEngine`` still holds per part (one handl
 lease and cancel checked before each handle), so a cancelled or lease-lapsed write can still
 land at most one handle per lane. A write with a notification (SGLang's wire) is never split:
 the notification goes once all of it landed. Posts of one room may land in any order, as they
-already could over TCP. Peers are connected, leased, warmed up and
-forgotten on every lane. Lane 0's agent carries the manager's name; lane ``i`` is
-``<name>.<i>`` (a decode never loads a prefill's metadata, and SGLang's decode matches
-notifications by their text, not their sender).
+already could over TCP. Peers are connected, leased, warmed up and forgotten on every lane.
+Lane 0's agent carries the manager's name; lane ``i`` is ``<name>.<i>`` (a decode never loads
+a prefill's metadata, and SGLang's decode matches notifications by their text, not their
+sender; asynckv's SGLang decode core counts a writer's lanes as the writer).
 """
 
 from __future__ import annotations
