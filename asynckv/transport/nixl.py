@@ -116,6 +116,15 @@ class NixlDataPlane(NixlEngine):
         self._commands.put(cmd)
         self._wake.set()
 
+    def take_in_flight(self, post_id: int) -> bool:
+        """Whether settled post ``post_id`` left a handle in flight, which may still read its source
+        memory (and land bytes); asked once, on the loop, when its settle arrives."""
+        try:
+            self.settled_in_flight.remove(post_id)
+        except KeyError:
+            return False
+        return True
+
     def _settle_orphans(self) -> None:
         """After the engine thread died: every post it held or never took settles (with the error),
         every call fails, so that no caller waits for ever (the contract: each post settles once)."""

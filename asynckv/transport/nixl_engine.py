@@ -58,10 +58,8 @@ __all__ = ["NixlEngine"]
 
 log = logging.getLogger("asynckv.nixl")
 
-SETTLE_AT_CLOSE_S = 0.1
-"""How long close drives the UCX worker so that parked transfers can complete before teardown."""
-_MIN_IDLE_WAIT_S = 20e-6
-_MAX_BUSY_WAIT_S = 250e-6
+SETTLE_AT_CLOSE_S = 0.1  # how long close drives the UCX worker so parked transfers can complete
+_MIN_IDLE_WAIT_S, _MAX_BUSY_WAIT_S = 20e-6, 250e-6
 
 
 class NixlEngine:
@@ -90,9 +88,7 @@ class NixlEngine:
         self._cancelled: dict[int, BaseException] = {}
         """Posts the loop cancelled; read between handles (a dict update is atomic under the GIL)."""
         self._in_flight: list[PostCmd] = []
-        self.settled_in_flight: set[int] = set()
-        """Posts that settled with a handle still in flight (see ``take_in_flight``); added on the engine
-        thread before their settle is delivered."""
+        self.settled_in_flight: set[int] = set()  # (added before their settle is delivered: take_in_flight)
         self.posts_in_flight = 0
         self.rounds = 0
         self.thread_error: BaseException | None = None
@@ -400,8 +396,8 @@ class NixlEngine:
         if post.handle is not None:
             self._parked.append((post.peer, post.handle))
             post.handle = None
-            if post.fut is None:  # the caller must not reuse what that handle may still read
-                self.settled_in_flight.add(post.post_id)
+            if post.fut is None:
+                self.settled_in_flight.add(post.post_id)  # (it may still read the post's source memory)
         elif error is None and post.write.notif:  # every byte landed: now (never for a write that stopped)
             try:
                 self._agent.send_notif(post.peer, post.write.notif)
@@ -409,15 +405,6 @@ class NixlEngine:
                 error = map_nixl_error(exc, f"post {post.post_id}: notification")
         self._cancelled.pop(post.post_id, None)
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
-
-    def take_in_flight(self, post_id: int) -> bool:
-        """Whether settled post ``post_id`` left a handle in flight, which may still read its source
-        memory (and land bytes); asked once, on the loop, when its settle arrives."""
-        try:
-            self.settled_in_flight.remove(post_id)
-        except KeyError:
-            return False
-        return True
 
     def _notify(self, notifs: dict[str, list[bytes]]) -> None:
         if notifs and self._loop is not None and self.on_notified is not None:  # (otherwise dropped)
