@@ -265,7 +265,8 @@ class WriteBuilder:
         """Gather the head slices of ``post`` into a staging run; its descriptors (one per entry
         and page, merged), or None when the area has no run that long (sent per token then)."""
         staging, plan, hs = self.staging, geom.plan, geom.plan.head_slice
-        assert staging is not None and hs is not None
+        if staging is None or hs is None:  # (``_stageable`` said no already)
+            return None
         dst_items = geom.kv_items[plan.dst_entries]
         pages = len(post.src)
         sizes = dst_items * np.uint64(pages)
