@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["main"]
 
@@ -20,6 +22,23 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(spec)
 
 
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[asyncio.Event]:
+    """An event SIGINT or SIGTERM sets, from before the server says it is up. The handlers are
+    installed whatever the process inherited: a server started as a script's background job
+    inherits SIGINT ignored, and was then left running when sent it; SIGTERM, what supervisors
+    send, killed it without a clean close."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
 def _bootstrap_server(args: argparse.Namespace) -> int:
     from .service.bootstrap import BootstrapServer
     from .service.sglang_bootstrap import SglangBootstrapServer
@@ -28,24 +47,24 @@ def _bootstrap_server(args: argparse.Namespace) -> int:
         from .config import Config
 
         cfg = Config.from_env()
-        if args.wire == "sglang-0.5.10":  # SGLang ranks cannot authenticate: a token does not apply
-            async with SglangBootstrapServer(args.host, args.port,
-                                             allow_unauthenticated=cfg.allow_unauthenticated) as sgl:
-                mode = "any host" if cfg.allow_unauthenticated else "protected mode: loopback clients only"
-                print(f"asynckv bootstrap server for SGLang 0.5.10 ranks on http://{sgl.addr} ({mode}; "
-                      f"Ctrl-C to stop)", flush=True)
-                await asyncio.Event().wait()
-        async with BootstrapServer(args.host, args.port, cfg.auth_token,
-                                   allow_unauthenticated=cfg.allow_unauthenticated) as server:
-            mode = ("authenticated" if cfg.auth_token else "unauthenticated, any host" if cfg.allow_unauthenticated
-                    else "protected mode: /route for loopback clients only")
-            print(f"asynckv bootstrap server on http://{server.addr} ({mode}; Ctrl-C to stop)", flush=True)
-            await asyncio.Event().wait()
+        with _stop_signals() as stop:
+            if args.wire == "sglang-0.5.10":  # SGLang ranks cannot authenticate: a token does not apply
+                async with SglangBootstrapServer(args.host, args.port,
+                                                 allow_unauthenticated=cfg.allow_unauthenticated) as sgl:
+                    mode = "any host" if cfg.allow_unauthenticated else "protected mode: loopback clients only"
+                    print(f"asynckv bootstrap server for SGLang 0.5.10 ranks on http://{sgl.addr} ({mode}; "
+                          f"Ctrl-C to stop)", flush=True)
+                    await stop.wait()
+                return
+            async with BootstrapServer(args.host, args.port, cfg.auth_token,
+                                       allow_unauthenticated=cfg.allow_unauthenticated) as server:
+                mode = ("authenticated" if cfg.auth_token else "unauthenticated, any host" if cfg.allow_unauthenticated
+                        else "protected mode: /route for loopback clients only")
+                print(f"asynckv bootstrap server on http://{server.addr} ({mode}; Ctrl-C to stop)", flush=True)
+                await stop.wait()
 
-    try:
-        asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(serve())
+    print("asynckv bootstrap server stopped", flush=True)
     return 0
 
 

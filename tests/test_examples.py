@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -28,6 +29,22 @@ def test_cli_help() -> None:
     for args in ([], ["demo"], ["bootstrap-server"], ["selftest"], ["bench"]):
         out = subprocess.run([sys.executable, "-m", "asynckv", *args, "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "usage: asynckv" in out.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_bootstrap_server_stops_cleanly_on_sigint_or_sigterm_even_with_sigint_ignored(sig: int) -> None:
+    """Started as a script's background job is (SIGINT ignored), it once ran on when sent SIGINT;
+    SIGTERM killed it without closing its server."""
+    proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "-m", "asynckv",
+                             "bootstrap-server", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and b"bootstrap server on" in proc.stdout.readline()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0 and b"bootstrap server stopped" in out, (proc.returncode, out, err)
 
 
 def test_gen_token_prints_a_fresh_secret_each_time() -> None:

@@ -296,10 +296,12 @@ def many_fds() -> Any:
 
 @pytest.fixture
 async def standalone_server(many_fds: Any) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
-    """``asynckv bootstrap-server`` in a child limited to 1,024 fds, as in the observed attack."""
+    """``asynckv bootstrap-server`` in a child limited to 1,024 fds, as in the observed attack, started
+    with SIGINT ignored (as a background job of a script is)."""
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        "sh", "-c", 'ulimit -n 1024 && exec "$0" "$@"', sys.executable, "-m", "asynckv", "bootstrap-server",
+        "sh", "-c", 'trap "" INT; ulimit -n 1024 && exec "$0" "$@"', sys.executable, "-m", "asynckv",
+        "bootstrap-server",
         "--port", str(port), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -336,15 +338,11 @@ async def test_1100_idle_connections_against_a_1024_fd_limit_do_not_starve_the_s
         for w in held:
             w.close()
         await asyncio.gather(*(w.wait_closed() for w in held), return_exceptions=True)
-    # What it logged is the outcome here. (Stopping it with SIGINT right after the 1,100 closes
-    # outlasted 10 s and then 30 s in two fresh-clone CI runs of the whole suite, never alone or
-    # in a local run of the same files in the same order: noted as open; it is killed past 10 s.)
+    # SIGINT right after the closes: the fixture's shell ignores SIGINT, as CI's does (a server that
+    # inherited it ignored once outlasted 10 s and 30 s here, and was killed).
     proc.send_signal(signal.SIGINT)
-    try:
-        await asyncio.wait_for(proc.wait(), 10)
-    except TimeoutError:
-        proc.kill()
-    _, err = await asyncio.wait_for(proc.communicate(), 10)
+    out, err = await asyncio.wait_for(proc.communicate(), 10)
+    assert proc.returncode == 0 and b"bootstrap server stopped" in out, (proc.returncode, out, err[-2000:])
     assert b"out of system resource" not in err and b"Too many open files" not in err, err[-2000:]
 
 
