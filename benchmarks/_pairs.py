@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from asynckv import Config, KVManager, KVPoll, Mode
+from asynckv.demo import bounded
 from asynckv.testing import KVPool
 
 
@@ -174,22 +175,20 @@ async def decode_against_prefill_process(spec: Any, output: list[str] | None = N
 async def receive_plan(d: KVManager, spec: Any, dst_for: Any) -> tuple[list[float], float]:
     """Receive every room of ``spec`` with ``spec.inflight`` in flight; slot k's pages are
     ``dst_for(k)``. Returns each room's init-to-Success latency and the total seconds."""
-    gate = asyncio.Semaphore(spec.inflight)
     free = list(range(spec.inflight))
     latencies: list[float] = []
 
-    async def one(room_id: int) -> None:
-        async with gate:
-            k = free.pop()
-            receiver = d.receiver(spec.bootstrap, room_id)
-            t = time.perf_counter()
-            await receiver.init(dst_for(k), k)
-            if await receiver.wait() != KVPoll.Success:
-                raise RuntimeError(receiver.failure_reason)
-            latencies.append(time.perf_counter() - t)
-            receiver.clear()
-            free.append(k)
+    async def one(req: Any) -> None:
+        k = free.pop()
+        receiver = d.receiver(spec.bootstrap, req.room)
+        t = time.perf_counter()
+        await receiver.init(dst_for(k), k)
+        if await receiver.wait() != KVPoll.Success:
+            raise RuntimeError(receiver.failure_reason)
+        latencies.append(time.perf_counter() - t)
+        receiver.clear()
+        free.append(k)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(r.room) for r in spec.plan()))
+    await bounded(spec.plan(), spec.inflight, one)
     return latencies, time.perf_counter() - t0

@@ -42,7 +42,9 @@ async def _run(rooms: int, inflight: int) -> dict[str, float]:
     async with decode_against_prefill_process(spec, printed) as (d, spec, pool):
         tick = asyncio.create_task(ticker())
         t0 = time.perf_counter()
+        cpu0 = (time.thread_time(), time.process_time())
         latencies, elapsed = await receive_plan(d, spec, lambda k: np.arange(4) + 4 * k)
+        loop_cpu, process_cpu = time.thread_time() - cpu0[0], time.process_time() - cpu0[1]
         stop = True
         await tick
     prefill_lag = next(ev for ev in (json.loads(line) for line in printed if line.startswith("{"))
@@ -55,7 +57,12 @@ async def _run(rooms: int, inflight: int) -> dict[str, float]:
             "latency_p99_ms": float(np.percentile(lat, 99)),
             "loop_lag_p99_ms": float(np.percentile(all_lags, 99)), "loop_lag_max_ms": float(all_lags.max()),
             "steady_loop_lag_p99_ms": float(np.percentile(steady, 99)) if len(steady) else float("nan"),
-            "prefill_loop_lag_p99_ms": prefill_lag["p99_ms"], "prefill_loop_lag_max_ms": prefill_lag["max_ms"]}
+            "prefill_loop_lag_p99_ms": prefill_lag["p99_ms"], "prefill_loop_lag_max_ms": prefill_lag["max_ms"],
+            # CPU per room: the loop thread's (what caps rooms/s on one loop) and the process's.
+            "decode_loop_cpu_ms_per_room": loop_cpu / rooms * 1e3,
+            "decode_process_cpu_ms_per_room": process_cpu / rooms * 1e3,
+            "prefill_loop_cpu_ms_per_room": prefill_lag["loop_cpu_s"] / rooms * 1e3,
+            "prefill_process_cpu_ms_per_room": prefill_lag["process_cpu_s"] / rooms * 1e3}
 
 
 def child(loop: str, rooms: int, inflight: int) -> None:
@@ -89,7 +96,11 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
         print(f"  {loop:8s}: {row['rooms_per_s']:7.0f} rooms/s, latency p50 {row['latency_p50_ms']:7.1f} ms "
               f"p99 {row['latency_p99_ms']:7.1f} ms, decode loop lag p99 {row['loop_lag_p99_ms']:.2f} ms "
               f"(steady state {row['steady_loop_lag_p99_ms']:.2f}, max {row['loop_lag_max_ms']:.1f}), prefill "
-              f"(uvloop) p99 {row['prefill_loop_lag_p99_ms']:.2f} ms", flush=True)
+              f"(uvloop) p99 {row['prefill_loop_lag_p99_ms']:.2f} ms; CPU per room: loop "
+              f"{row['decode_loop_cpu_ms_per_room']:.3f} ms decode, {row['prefill_loop_cpu_ms_per_room']:.3f} ms "
+              f"prefill; process "
+              f"{row['decode_process_cpu_ms_per_room']:.3f} / {row['prefill_process_cpu_ms_per_room']:.3f} ms",
+              flush=True)
     result = {"question": __doc__.strip().splitlines()[0], "rows": rows}
     write_result("concurrency", result, out_dir)
     return result

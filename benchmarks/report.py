@@ -107,13 +107,13 @@ def render_scaling(out: pathlib.Path) -> str:
     sc = _load(out, "scaling")
     if not sc:
         return ""
-    lines = ["| case | write lanes | GB/s (min-max) | req/s | decode p50 ms | prefill process CPU s (start-up in) |",
+    lines = ["| case | write lanes | GB/s (min-max) | req/s | decode p50 ms | prefill CPU s while serving |",
              "|---|---|---|---|---|---|"]
     for r in sc["lanes"]:
         lines.append(f"| {r['case']} | {r['lanes']} | {r['gbps']:.2f} ({r['gbps_spread'][0]:.2f}-"
                      f"{r['gbps_spread'][1]:.2f}) | {r['rps']:.0f} | {r['p50_ms']:.0f} | {r['cpu_prefill_s']:.2f} |")
     lines += ["", "| pages per request | indices per request | GB/s | req/s | decode p50 ms | prefill CPU s/GB | "
-              "prefill CPU ms/request (the process's ~2 s start-up included: it dominates small requests) |",
+              "prefill CPU ms/request |",
               "|---|---|---|---|---|---|---|"]
     for r in sc["pages"]:
         lines.append(f"| {r['pages']} | {r['descriptors_per_request']} | {r['gbps']:.2f} | {r['rps']:.0f} | "
