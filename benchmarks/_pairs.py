@@ -28,8 +28,10 @@ async def pair(entries: int, pages: int, item: int, **config: Any) -> AsyncItera
 
 
 async def room(p: KVManager, d: KVManager, room_id: int, src: np.ndarray, dst: np.ndarray,
-               chunk: int | None = None) -> float:
-    """One request end to end; seconds from receiver.init() to receiver.wait() resolving."""
+               chunk: int | None = None, from_send: list[float] | None = None) -> float:
+    """One request end to end; seconds from receiver.init() to receiver.wait() resolving. With
+    ``from_send``, also appends the seconds from the first send() (the destination known, as when
+    it arrived while prefill computed) to receiver.wait() resolving."""
     t0 = time.perf_counter()
     receiver = d.receiver(p.bootstrap_addr or "", room_id)
     await receiver.init(dst)
@@ -37,10 +39,13 @@ async def room(p: KVManager, d: KVManager, room_id: int, src: np.ndarray, dst: n
     await sender.wait_ready()
     sender.init(len(src))
     step = chunk or max(len(src), 1)
+    t_send = time.perf_counter()
     for i in range(0, max(len(src), 1), step):
         await sender.send(src[i:i + step])
     result = await receiver.wait()
     elapsed = time.perf_counter() - t0
+    if from_send is not None:
+        from_send.append(time.perf_counter() - t_send)
     if result != KVPoll.Success or await sender.wait() != KVPoll.Success:
         raise RuntimeError(f"room {room_id} failed: {receiver.failure_reason} / {sender.failure_reason}")
     sender.clear()

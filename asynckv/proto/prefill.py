@@ -126,7 +126,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
             raise LocalProtocolError(f"room {room.room}: init() called twice")
         pages = check_int(num_pages, "num_pages")
         aux = check_int(aux_index, "aux_index", low=-1)
-        rows = self.kv_args.num_aux_rows
+        rows = self.num_aux_rows
         if aux != -1 and aux >= rows:
             raise InvalidArgument(f"aux_index {aux} outside the registered aux rows [0, {rows})")
         room.num_pages, room.aux_index = pages, aux
@@ -143,8 +143,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
             raise LocalProtocolError(f"room {room.room}: send() in state {room.poll().name}")
         if room.last_queued:
             raise LocalProtocolError(f"room {room.room}: the last chunk was already sent")
-        a = self.kv_args
-        pages = validate_pages(page_indices, a.num_pages, "prefill page indices")
+        pages = validate_pages(page_indices, self.num_pages, "prefill page indices")
         n = len(pages)
         if room.cursor + n > room.num_pages:
             raise InvalidArgument(f"room {room.room}: chunk of {n} pages overruns num_pages={room.num_pages} "
@@ -154,7 +153,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         if state_indices is not None:
             if not is_last:
                 raise InvalidArgument(f"room {room.room}: state_indices go with the last chunk")
-            state = validate_pages(state_indices, a.num_state_slots, "prefill state indices")
+            state = validate_pages(state_indices, self.kv_args.num_state_slots, "prefill state indices")
         start, room.cursor, room.last_queued = room.cursor, room.cursor + n, is_last
         if room.started is None:
             room.started = now

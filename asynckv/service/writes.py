@@ -91,6 +91,9 @@ class WriteBuilder:
         self.config = config
         self.dev = a.gpu_id if a.mem_kind == "VRAM" else 0
         self.kv_ptrs, _, self.kv_items = a.kv_arrays()
+        # Per-post constants (KVArgs computes num_pages from every entry on each call).
+        self._num_pages, self._num_entries = a.num_pages, a.num_entries
+        self._page_bytes, self._max_item = int(self.kv_items.sum()), max(1, int(self.kv_items.max(initial=0)))
         self.aux_ptrs = np.asarray(a.aux_data_ptrs, dtype=np.uint64)
         self.aux_items = np.asarray(a.aux_item_lens, dtype=np.uint64)
         self.state_ptrs = np.asarray(a.state_data_ptrs, dtype=np.uint64)
@@ -194,12 +197,10 @@ class WriteBuilder:
         if geom is None:
             raise KeyError(f"decode peer {post.peer[:8]} is not connected")
         if post.kind == "kv" and geom.prepped:
-            a = self.args
-            src_idx = prepped_indices(post.src, a.num_pages, a.num_entries)
-            dst_idx = prepped_indices(post.dst, geom.num_pages, a.num_entries)
-            nbytes = len(post.src) * int(self.kv_items.sum())
-            item = max(1, int(self.kv_items.max()))
-            per = max(1, min(self.config.max_descs_per_xfer, self._handle_bytes(nbytes) // item))
+            src_idx = prepped_indices(post.src, self._num_pages, self._num_entries)
+            dst_idx = prepped_indices(post.dst, geom.num_pages, self._num_entries)
+            nbytes = len(post.src) * self._page_bytes
+            per = max(1, min(self.config.max_descs_per_xfer, self._handle_bytes(nbytes) // self._max_item))
             pieces = tuple(PreppedPiece(src_idx[i:i + per], dst_idx[i:i + per]) for i in range(0, len(src_idx), per))
             return Write(pieces, len(src_idx), nbytes)
         if post.kind == "kv":
