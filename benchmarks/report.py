@@ -21,8 +21,8 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                 lines.append(f"| Q1 bulk {r['bytes'] / 2**20:.0f} MiB {r['layout']}, one request / {r['inflight']} in "
                              f"flight | {r['asynckv_gbps']:.2f} / {r['asynckv_pipelined_gbps']:.2f} GB/s | raw NIXL "
                              f"{r['raw_nixl_gbps']:.2f} / {r['raw_pipelined_gbps']:.2f} GB/s, np.copyto "
-                             f"{r['copyto_gbps']:.2f} | {r['ratio_vs_raw']:.2f}x / {r['pipelined_ratio']:.2f}x raw "
-                             f"| >= 0.9x |")
+                             f"{r['copyto_gbps']:.2f} | {r['ratio_vs_raw']:.2f}x / {r['pipelined_ratio']:.2f}x raw"
+                             f"{_from_send(r)} | >= 0.9x |")
     sm = _load(out, "small_requests")
     if sm:
         for r in sm["rows"]:
@@ -34,9 +34,11 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     if cc:
         for r in cc["rows"]:
             prefill = f", prefill {r['prefill_loop_lag_p99_ms']:.2f} ms" if "prefill_loop_lag_p99_ms" in r else ""
+            cpu = (f"; loop CPU per room: decode {r['decode_loop_cpu_ms_per_room']:.3f} ms, prefill "
+                   f"{r['prefill_loop_cpu_ms_per_room']:.3f} ms" if "prefill_loop_cpu_ms_per_room" in r else "")
             lines.append(f"| Q3 {r['inflight']} rooms in flight, {r['loop']} | {r['rooms_per_s']:.0f} rooms/s, "
-                         f"p50 {r['latency_p50_ms']:.0f} / p99 {r['latency_p99_ms']:.0f} ms | loop lag p99: decode "
-                         f"{r['loop_lag_p99_ms']:.2f} ms{prefill} | | lag <= 5 ms, >= 5,000 rooms/s |")
+                         f"p50 {r['latency_p50_ms']:.0f} / p99 {r['latency_p99_ms']:.0f} ms{cpu} | loop lag p99: "
+                         f"decode {r['loop_lag_p99_ms']:.2f} ms{prefill} | | lag <= 5 ms, >= 5,000 rooms/s |")
     kn = _load(out, "kernels")
     if kn:
         for r in kn["rows"]:
@@ -100,6 +102,11 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     if charts:
         _charts(out)
     return "\n".join(lines)
+
+
+def _from_send(r: dict[str, Any]) -> str:
+    """Q1's one-request ratio timed from prefill's send() (absent from older results)."""
+    return f" (one request from send(): {r['from_send_ratio_vs_raw']:.2f}x)" if "from_send_ratio_vs_raw" in r else ""
 
 
 def render_scaling(out: pathlib.Path) -> str:
