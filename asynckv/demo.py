@@ -130,7 +130,7 @@ async def _prefill(spec: DemoSpec) -> int:
                          config=Config.from_env(host_bootstrap=False, ops_port=0,
                                                 heartbeat_interval_s=spec.heartbeat_interval_s)) as mgr:
 
-        serving_since: Any = None  # os.times() at the first destination: start-up is not serving CPU
+        serving_since: os.times_result | None = None  # at the first destination: start-up is not serving CPU
 
         async def serve(req: Request) -> None:
             nonlocal failures, serving_since
