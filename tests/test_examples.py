@@ -31,14 +31,16 @@ def test_cli_help() -> None:
         assert out.returncode == 0 and "usage: asynckv" in out.stdout
 
 
+@pytest.mark.parametrize("wire", ["asynckv", "sglang-0.5.10"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_the_bootstrap_server_stops_cleanly_on_sigint_or_sigterm_even_with_sigint_ignored(sig: int) -> None:
+def test_the_bootstrap_server_stops_cleanly_on_sigint_or_sigterm_even_with_sigint_ignored(sig: int, wire: str) -> None:
     """Started as a script's background job is (SIGINT ignored), it once ran on when sent SIGINT;
     SIGTERM killed it without closing its server."""
     proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "-m", "asynckv",
-                             "bootstrap-server", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             "bootstrap-server", "--port", "0", "--wire", wire],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert proc.stdout is not None and b"bootstrap server on" in proc.stdout.readline()
+        assert proc.stdout is not None and b"bootstrap server" in proc.stdout.readline()
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=10)
     finally:
