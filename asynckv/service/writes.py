@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import Config
+from ..errors import InvalidArgument
 from ..kernels import (
     aux_descriptors,
     block_descriptors,
@@ -28,12 +29,13 @@ from ..kernels import (
 )
 from ..layout import KVArgs
 from ..proto.actions import Post
+from ..proto.registration import INT32_ROWS, POOL_RATIO
 from ..proto.sender import DecodePeer
 from ..proto.topology import PeerPlan
 from ..transport.base import DescPiece, MemoryLayout, PreppedPiece, Write
 from .staging import StagingArea
 
-__all__ = ["GATHER_INLINE_BYTES", "LANE_SPLIT_BYTES", "SCRATCH_BYTES", "WriteBuilder", "dlist_rows"]
+__all__ = ["GATHER_INLINE_BYTES", "LANE_SPLIT_BYTES", "SCRATCH_BYTES", "WriteBuilder", "aux_rows", "dlist_rows"]
 
 U64 = npt.NDArray[np.uint64]
 log = logging.getLogger("asynckv.prefill")
@@ -47,15 +49,20 @@ against a ~90 us thread hop)."""
 _FILL_PAGES = 1 << 16
 
 
-def dlist_rows(ptrs: U64, strides: U64, lengths: U64, num_pages: int, dev: int) -> U64:
-    """One row per (entry, page), entry-major, as ``prepped_indices`` addresses them.
+def dlist_rows(ptrs: U64, strides: U64, lengths: U64, num_pages: int, dev: int, tail: U64 | None = None) -> U64:
+    """One row per (entry, page), entry-major, as ``prepped_indices`` addresses them; then ``tail``.
 
     The rows (24 bytes each) are the only large allocation, in a mapping of their own that goes back
     to the OS once they are dropped, and they are filled in place a slice of pages at a time: built
     from malloc's heap with whole-entry temporaries, the rows of refused registrations stayed in
     worker threads' arenas (165 MiB after 90 refused claims of up to 1M pages)."""
     n = len(ptrs) * num_pages
-    rows = np.frombuffer(mmap.mmap(-1, max(1, n * 24)), dtype=np.uint64, count=n * 3).reshape(n, 3)
+    extra = 0 if tail is None else len(tail)
+    whole = np.frombuffer(mmap.mmap(-1, max(1, (n + extra) * 24)), dtype=np.uint64, count=(n + extra) * 3)
+    whole = whole.reshape(n + extra, 3)
+    if tail is not None:
+        whole[n:] = tail
+    rows = whole[:n]
     steps = np.arange(min(num_pages, _FILL_PAGES), dtype=np.uint64)
     for e, (ptr, stride, length) in enumerate(zip(ptrs.tolist(), strides.tolist(), lengths.tolist(), strict=True)):
         for start in range(0, num_pages, _FILL_PAGES):
@@ -64,7 +71,17 @@ def dlist_rows(ptrs: U64, strides: U64, lengths: U64, num_pages: int, dev: int) 
             block[:, 0] += np.uint64(ptr + stride * start)
             block[:, 1] = length
     rows[:, 2] = dev
-    return rows
+    return whole
+
+
+def aux_rows(ptrs: U64, items: U64, rows: int) -> U64:
+    """One DRAM row per (aux buffer, row), buffer-major: row r of buffer b is row ``b * rows + r``."""
+    r = np.arange(rows, dtype=np.uint64)
+    out = np.empty((len(ptrs) * rows, 3), dtype=np.uint64)
+    out[:, 0] = (ptrs[:, None] + items[:, None] * r[None, :]).ravel()
+    out[:, 1] = np.repeat(items, rows)
+    out[:, 2] = 0
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,6 +98,9 @@ class _Peer:
     state_ptrs: U64
     state_items: U64
     prepped: bool
+    aux_base: int | None = None
+    """Where the peer's aux rows start in its prepared dlist (None: its aux row goes as descriptors)."""
+    aux_rows: int = 0
 
 
 class WriteBuilder:
@@ -98,6 +118,9 @@ class WriteBuilder:
         self.aux_items = np.asarray(a.aux_item_lens, dtype=np.uint64)
         self.state_ptrs = np.asarray(a.state_data_ptrs, dtype=np.uint64)
         self.state_items = np.asarray(a.state_item_lens, dtype=np.uint64)
+        self._aux_rows, self._aux_bytes = a.num_aux_rows, int(self.aux_items.sum())
+        self._aux_base: int | None = None
+        """Where our aux rows start in the prepared local dlist (None: aux rows go as descriptors)."""
         self._peers: dict[str, _Peer] = {}
         self.staging: StagingArea | None = None
         """Where head slices are gathered into whole pages (a prefill with DRAM KV; see ``staging``)."""
@@ -114,10 +137,21 @@ class WriteBuilder:
         staging = [[self.staging.addr, self.staging.capacity, 0]] if self.staging is not None else []
         dram = np.array([*([int(p), int(n), 0] for p, n in zip(a.aux_data_ptrs, a.aux_data_lens, strict=True)),
                          [scratch[0], scratch[1], 0], *staging], dtype=np.uint64).reshape(-1, 3)
-        local = dlist_rows(self.kv_ptrs, self.kv_items, self.kv_items, a.num_pages, self.dev) \
-            if prepare_local and self.config.prepped_dlists else None
+        local = None
+        if prepare_local and self.config.prepped_dlists:
+            # DRAM KV: the aux rows join the prepared dlist, so an aux row is one prepared handle
+            # (as descriptors it cost more than a KV page: built per post, ``initialize_xfer`` each time).
+            tail = aux_rows(self.aux_ptrs, self.aux_items, self._aux_rows) if self._aux_preparable() else None
+            local = dlist_rows(self.kv_ptrs, self.kv_items, self.kv_items, a.num_pages, self.dev, tail)
+            if tail is not None:
+                self._aux_base = len(self.kv_ptrs) * a.num_pages
         keep = (self.staging.buffer,) if self.staging is not None else ()
         return MemoryLayout(((a.mem_kind, kv), ("DRAM", dram)), local, a.mem_kind, scratch, keep)
+
+    def _aux_preparable(self) -> bool:
+        a = self.args
+        rows = a.num_entries * a.num_pages + len(self.aux_ptrs) * self._aux_rows
+        return a.mem_kind == "DRAM" and len(self.aux_ptrs) > 0 and self._aux_rows > 0 and rows <= INT32_ROWS
 
     # -- peers --------------------------------------------------------------------------
 
@@ -132,11 +166,21 @@ class WriteBuilder:
                      state_ptrs=np.asarray(reg.state_ptrs, dtype=np.uint64),
                      state_items=np.asarray(reg.state_item_lens, dtype=np.uint64),
                      prepped=self.config.prepped_dlists and peer.plan.whole_pages and peer.pool_known)
-        self._peers[peer.name] = geom
         if not geom.prepped:
+            self._peers[peer.name] = geom
             return None
         dst = peer.plan.dst_entries  # paired with local entries 0..n-1 in order
-        return dlist_rows(geom.kv_ptrs[dst], geom.kv_items[dst], self.kv_items, geom.num_pages, geom.dev)
+        kv_rows = len(dst) * geom.num_pages
+        aux = peer.num_aux_rows
+        # Its aux rows join its dlist when both sides hold them in DRAM and the claim is bounded as
+        # pages are (a Register could claim millions of rows): at most POOL_RATIO times our own.
+        tail = None
+        if (self._aux_base is not None and geom.mem_kind == "DRAM" and 0 < aux <= POOL_RATIO * self._aux_rows
+                and kv_rows + len(geom.aux_ptrs) * aux <= INT32_ROWS):
+            tail = aux_rows(geom.aux_ptrs, self.aux_items, aux)
+            geom = dataclasses.replace(geom, aux_base=kv_rows, aux_rows=aux)
+        self._peers[peer.name] = geom
+        return dlist_rows(geom.kv_ptrs[dst], geom.kv_items[dst], self.kv_items, geom.num_pages, geom.dev, tail)
 
     def remove_peer(self, name: str) -> None:
         self._peers.pop(name, None)
@@ -206,12 +250,25 @@ class WriteBuilder:
         if post.kind == "kv":
             src, dst = self._kv_descs(geom, post)
         elif post.kind == "aux":
+            if geom.aux_base is not None and self._aux_base is not None:
+                return self._prepped_aux(geom, int(post.src[0]), int(post.dst[0]))
             src, dst = aux_descriptors(self.aux_ptrs, geom.aux_ptrs, self.aux_items, int(post.src[0]),
                                        int(post.dst[0]))
             return self._pieces(src, dst, "DRAM", "DRAM")
         else:
             src, dst = self._state_descs(geom, post)
         return self._pieces(src, dst, self.args.mem_kind, geom.mem_kind)
+
+    def _prepped_aux(self, geom: _Peer, src_row: int, dst_row: int) -> Write:
+        """Row ``src_row`` of every aux buffer into row ``dst_row``: one prepared index per buffer."""
+        if not (0 <= src_row < self._aux_rows and 0 <= dst_row < geom.aux_rows) or geom.aux_base is None \
+                or self._aux_base is None:
+            raise InvalidArgument(f"aux rows {src_row} -> {dst_row} outside [0, {self._aux_rows}) -> "
+                                  f"[0, {geom.aux_rows})")
+        buffers = np.arange(len(self.aux_ptrs), dtype=np.int64)
+        src = (self._aux_base + buffers * self._aux_rows + src_row).astype(np.int32)
+        dst = (geom.aux_base + buffers * geom.aux_rows + dst_row).astype(np.int32)
+        return Write((PreppedPiece(src, dst),), len(src), self._aux_bytes)
 
     def _handle_bytes(self, nbytes: int) -> int:
         """Bytes per handle for a write of ``nbytes``: at most ``xfer_handle_bytes``, and a share per

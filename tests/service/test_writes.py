@@ -1,0 +1,81 @@
+"""The write builder's aux rows: with DRAM KV they join the prepared dlists, and a prepared aux
+write must address exactly the rows the descriptor path would write."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asynckv.config import Config
+from asynckv.errors import InvalidArgument
+from asynckv.kernels import aux_descriptors
+from asynckv.proto.actions import Post
+from asynckv.proto.messages import Register
+from asynckv.proto.sender import DecodePeer
+from asynckv.proto.topology import plan_peer, stub_agent_metadata
+from asynckv.service.writes import WriteBuilder
+from asynckv.testing import KVPool
+from asynckv.transport.base import DescPiece, PreppedPiece
+
+
+def register(pool: KVPool) -> Register:
+    d = pool.kv_args(4)
+    return Register(
+        decode_id="decode", prefill_id="prefill", session=1, lease_ms=3000, endpoint="tcp://127.0.0.1:5000",
+        engine_rank=0, tp_size=1, page_size=4, kv_dtype=d.kv_dtype, mem_kind="DRAM", is_mla=False, gpu_id=0,
+        kv_ptrs=tuple(d.kv_data_ptrs), kv_lens=tuple(d.kv_data_lens), kv_item_lens=tuple(d.kv_item_lens),
+        kv_layer_ids=d.layer_ids, aux_ptrs=tuple(d.aux_data_ptrs), aux_lens=tuple(d.aux_data_lens),
+        aux_item_lens=tuple(d.aux_item_lens), scratch_ptr=0x1000, scratch_len=4096, kv_head_num=d.kv_head_num,
+        total_kv_head_num=d.total_kv_head_num, state_type="none", state_ptrs=(), state_lens=(), state_item_lens=(),
+        state_layer_ids=(), state_dims=(), state_outer=(), agent_metadata=stub_agent_metadata("decode"))
+
+
+def connected(decode_aux_rows: int, prepped: bool = True) -> tuple[WriteBuilder, np.ndarray, np.ndarray | None]:
+    """A builder for a prefill pool (16 aux rows), its local rows, and the rows of a decode peer."""
+    local = KVPool(2, 8, 256).kv_args(4)
+    builder = WriteBuilder(local, Config(prepped_dlists=prepped, staging_bytes=0))
+    layout = builder.memory_layout((0x9000, 64), prepare_local=True)
+    reg = register(KVPool(2, 32, 256, aux_rows=decode_aux_rows))
+    peer = DecodePeer.from_register(reg, plan_peer(local, reg), 0.0, 10.0)
+    rows = builder.add_peer(peer)
+    return builder, (layout.local_rows if layout.local_rows is not None else np.empty((0, 3))), rows
+
+
+def aux_post(src: int, dst: int) -> Post:
+    return Post(1, "decode", 7, 1, "aux", np.array([src]), np.array([dst]), 128, 5.0)
+
+
+@pytest.mark.parametrize(("src", "dst"), [(0, 0), (3, 5), (15, 31)])
+def test_a_prepared_aux_write_addresses_the_rows_the_descriptors_would(src: int, dst: int) -> None:
+    builder, local, remote = connected(decode_aux_rows=32)
+    assert remote is not None
+    write = builder.build(aux_post(src, dst))
+    (piece,) = write.pieces
+    assert isinstance(piece, PreppedPiece) and write.nbytes == 2 * 64 and write.descriptors == 2
+    peer = builder._peers["decode"]
+    want_src, want_dst = aux_descriptors(builder.aux_ptrs, peer.aux_ptrs, builder.aux_items, src, dst)
+    assert np.array_equal(local[piece.src_idx], want_src)
+    assert np.array_equal(remote[piece.dst_idx], want_dst)
+    # The KV rows keep their indices: the aux rows come after them.
+    assert len(local) == 2 * 8 + 2 * 16 and len(remote) == 2 * 32 + 2 * 32
+
+
+def test_an_aux_claim_beyond_four_times_ours_goes_as_descriptors_and_builds_no_rows_for_it() -> None:
+    builder, _, remote = connected(decode_aux_rows=16 * 4 + 1)
+    assert remote is not None and len(remote) == 2 * 32  # KV rows only
+    (piece,) = builder.build(aux_post(3, 64)).pieces
+    assert isinstance(piece, DescPiece)
+
+
+def test_without_prepared_dlists_aux_rows_go_as_descriptors() -> None:
+    builder, local, remote = connected(decode_aux_rows=16, prepped=False)
+    assert remote is None and len(local) == 0
+    (piece,) = builder.build(aux_post(3, 5)).pieces
+    assert isinstance(piece, DescPiece)
+
+
+def test_a_prepared_aux_row_out_of_range_is_refused_not_sent_to_a_neighbour() -> None:
+    builder, _, _ = connected(decode_aux_rows=16)
+    for src, dst in ((16, 0), (0, 16), (-1, 0)):
+        with pytest.raises(InvalidArgument, match="aux rows"):
+            builder.build(aux_post(src, dst))
