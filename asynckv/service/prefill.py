@@ -112,9 +112,8 @@ class PrefillService(Pump):
 
     def _on_settled(self, batch: list[tuple[int, BaseException | None]]) -> None:
         now = self.clock()
-        in_flight = getattr(self.data, "take_in_flight", None)  # (the NIXL planes have it)
         for post_id, error in batch:
-            self.builder.release(post_id, bool(in_flight and in_flight(post_id)))
+            self.builder.release(post_id, self.data.take_in_flight(post_id))
             info = self._posted.pop(post_id, None)
             if info is None:
                 continue

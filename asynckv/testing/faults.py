@@ -56,11 +56,6 @@ class FaultInjector:
     def delay_posts(self, seconds: float) -> None:
         self._delay_s = seconds
 
-    def take_in_flight(self, post_id: int) -> bool:
-        """The wrapped plane's answer (``transport.base``), False when it has none."""
-        fn = getattr(self._inner, "take_in_flight", None)
-        return bool(fn is not None and fn(post_id))
-
     def wrap(self, inner: DataPlane) -> FaultInjector:
         self._inner = inner
         inner.on_settled = lambda batch: self.on_settled(batch)
@@ -73,6 +68,9 @@ class FaultInjector:
         return self._inner
 
     # -- DataPlane -------------------------------------------------------------------------
+
+    def take_in_flight(self, post_id: int) -> bool:
+        return self.inner.take_in_flight(post_id)
 
     @property
     def alive(self) -> bool:

@@ -10,7 +10,7 @@ The data plane's contract, which the cores' fencing relies on:
   (error None), or none of it can land any more (failed, cancelled, lease lapsed, peer
   forgotten, plane closed), except a post past its deadline (or at close): it settles with a
   handle still in flight, which may still read the post's source memory and land bytes (see
-  ``nixl_engine``); the NIXL planes answer ``take_in_flight(post_id)`` True for it, once;
+  ``nixl_engine``); ``take_in_flight(post_id)`` answers True for it, once;
 - a write is done as a series of handles (``Write.pieces``); the lease and the cancel set
   are checked before each handle, so once a post is cancelled or its lease has lapsed at
   most the one handle already copying can still land (one per write lane when a prefill
@@ -116,6 +116,10 @@ class DataPlane(Protocol):
     def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None: ...
 
     def cancel(self, post_ids: Sequence[int], reason: BaseException) -> None: ...
+
+    def take_in_flight(self, post_id: int) -> bool:
+        """Whether settled post ``post_id`` left a handle in flight (asked once, when it settles)."""
+        ...
 
     def set_lease(self, peer: str, until: float) -> None:
         """Posts to ``peer`` may start handles until ``until`` (monotonic seconds)."""
