@@ -8,6 +8,7 @@ caller reorders ``dst_ptrs`` when the pairing is by layer id.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ __all__ = [
 
 IntArray = npt.NDArray[np.int64]
 DescArray = npt.NDArray[np.uint64]
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def validate_pages(pages: Any, num_pages: int, what: str = "page indices") -> IntArray:
@@ -134,12 +136,21 @@ def kv_page_descriptors(
 
 
 def prepped_indices(pages: IntArray, num_slots: int, num_entries: int) -> npt.NDArray[np.int32]:
-    """Flat indices into a prepared dlist laid out entry-major (``entry * num_slots + page``)."""
+    """Flat indices into a prepared dlist laid out entry-major (``entry * num_slots + page``);
+    ``pages`` must lie in ``[0, num_slots)`` (checked where they came in)."""
+    return (_entry_bases(num_slots, num_entries) + pages.astype(np.int32, copy=False)[None, :]).ravel()
+
+
+@functools.lru_cache(maxsize=64)
+def _entry_bases(num_slots: int, num_entries: int) -> npt.NDArray[np.int32]:
+    """``entry * num_slots`` as an int32 column, per dlist shape (read-only; a room's write used to
+    rebuild it, which with the int64 round trips cost more than the indices of a 1-page write)."""
     total = num_slots * num_entries
-    if total > np.iinfo(np.int32).max:
+    if total > _INT32_MAX:
         raise InvalidArgument(f"prepared dlist of {total} rows exceeds int32 indexing")
-    base = np.arange(num_entries, dtype=np.int64)[:, None] * num_slots
-    return (base + pages.astype(np.int64)[None, :]).astype(np.int32).ravel()
+    base = (np.arange(num_entries, dtype=np.int64) * num_slots).astype(np.int32)[:, None]
+    base.flags.writeable = False
+    return base
 
 
 def aux_descriptors(

@@ -48,6 +48,7 @@ from .decode_peers import RegistrationRules
 from .messages import Abort, Bye, Ping, Pong, Register, RegisterResult, Status, TransferInfo
 from .receiver import RankProgress, ReceiverRoom, Registration
 from .states import Event, ReceiverState
+from .timers import earliest
 from .topology import PrefillInstance, TargetPlan, check_compatible, plan_targets
 
 __all__ = ["DecodeCore", "random_sessions"]
@@ -93,8 +94,8 @@ class DecodeCore(RegistrationRules):
     # -- the surface the pump drives ---------------------------------------------------
 
     def get_timer(self) -> float | None:
-        times = [t for t in (self.deadlines.next(), self._next_beat if len(self.liveness) else None) if t is not None]
-        return min(times) if times else None
+        when = self.deadlines.next()
+        return earliest(when, self._next_beat) if len(self.liveness) else when
 
     def handle_timer(self, now: float) -> None:
         for owner in self.deadlines.pop_due(now):

@@ -37,6 +37,7 @@ from .prefill_peers import PeerRules
 from .prefill_writes import WriteRules
 from .sender import DecodePeer, PeerPhase, SenderRoom
 from .states import Event, SenderState
+from .timers import earliest
 
 __all__ = ["PrefillCore", "check_int"]
 
@@ -73,9 +74,8 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must run next (monotonic seconds), or None."""
-        times = [t for t in (self.deadlines.next(), self.early.next_deadline(),
-                             self._next_beat if len(self.liveness) else None) if t is not None]
-        return min(times) if times else None
+        when = earliest(self.deadlines.next(), self.early.next_deadline())
+        return earliest(when, self._next_beat) if len(self.liveness) else when
 
     def handle_timer(self, now: float) -> None:
         for room in self.deadlines.pop_due(now):

@@ -52,6 +52,7 @@ from .core import Core, check_int, check_new_room
 from .receiver import ReceiverRoom
 from .sglang import SglangCompletion, SglangRegister, SglangTransferInfo, parse_notification
 from .states import Event, ReceiverState
+from .timers import earliest
 
 __all__ = ["CheckHealth", "SglangDecodeCore", "SglangPrefill", "check_prefill"]
 
@@ -159,8 +160,8 @@ class SglangDecodeCore(Core):
     # -- the surface the pump drives -------------------------------------------------------
 
     def get_timer(self) -> float | None:
-        times = [t for t in (self.deadlines.next(), self._next_beat if self.progress else None) if t is not None]
-        return min(times) if times else None
+        when = self.deadlines.next()
+        return earliest(when, self._next_beat) if self.progress else when
 
     def handle_timer(self, now: float) -> None:
         for room in self.deadlines.pop_due(now):

@@ -12,7 +12,14 @@ import heapq
 import itertools
 from typing import Any, Protocol
 
-__all__ = ["Deadlines", "Timed"]
+__all__ = ["Deadlines", "Timed", "earliest"]
+
+
+def earliest(a: float | None, b: float | None) -> float | None:
+    """The earlier of two optional times (a core's ``get_timer`` runs after every event it is fed)."""
+    if a is None:
+        return b
+    return a if b is None or a <= b else b
 
 
 class Timed(Protocol):

@@ -105,9 +105,12 @@ class LanedDataPlane:
         await asyncio.gather(*(lane.warm_up(peer, dst, timeout_s) for lane in self.lanes))
 
     def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
+        if write.notif or len(write.pieces) < 2:  # (most posts: one handle, to the least loaded lane)
+            self._post_on(self._least_loaded(), post_id, peer, write, timeout_s)
+            return
         alive = [i for i, lane in enumerate(self.lanes) if lane.alive] or list(range(len(self.lanes)))
-        if write.notif or len(write.pieces) < 2 or len(alive) < 2:
-            self._post_on(self._pick(alive, 1)[0], post_id, peer, write, timeout_s)
+        if len(alive) < 2:
+            self._post_on(alive[0], post_id, peer, write, timeout_s)
             return
         # Its handles go round-robin to several lanes, as parts that settle it together.
         parts = [p for p in (write.pieces[i::len(alive)] for i in range(len(alive))) if p]
@@ -120,6 +123,19 @@ class LanedDataPlane:
             share = Write(pieces, write.descriptors * len(pieces) // len(write.pieces),
                           write.nbytes * len(pieces) // len(write.pieces))
             self._post_on(lane, part_id, peer, share, timeout_s)
+
+    def _least_loaded(self) -> int:
+        """``_pick(live lanes, 1)`` without building the lists (it runs once per post)."""
+        load, lanes, n = self._load, self.lanes, len(self._load)
+        best = -1
+        for k in range(n):
+            i = (self._next + k) % n
+            if (best < 0 or load[i] < load[best]) and lanes[i].alive:
+                best = i
+        if best < 0:  # no lane alive: as _pick, take the next one (its post settles with the error)
+            best = self._next
+        self._next = (best + 1) % n
+        return best
 
     def _pick(self, alive: list[int], count: int) -> list[int]:
         """``count`` distinct live lanes, those with the fewest posts in flight first, ties in turn."""
