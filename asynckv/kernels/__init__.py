@@ -11,6 +11,7 @@ from .pages import (
     handle_bounds,
     kv_page_descriptors,
     prepped_indices,
+    prepped_row,
     split_long,
     validate_pages,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "handle_bounds",
     "kv_page_descriptors",
     "prepped_indices",
+    "prepped_row",
     "split_long",
     "validate_pages",
 ]

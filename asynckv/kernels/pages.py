@@ -23,6 +23,7 @@ __all__ = [
     "handle_bounds",
     "kv_page_descriptors",
     "prepped_indices",
+    "prepped_row",
     "split_long",
     "validate_pages",
 ]
@@ -139,6 +140,12 @@ def prepped_indices(pages: IntArray, num_slots: int, num_entries: int) -> npt.ND
     """Flat indices into a prepared dlist laid out entry-major (``entry * num_slots + page``);
     ``pages`` must lie in ``[0, num_slots)`` (checked where they came in)."""
     return (_entry_bases(num_slots, num_entries) + pages.astype(np.int32, copy=False)[None, :]).ravel()
+
+
+def prepped_row(row: int, num_slots: int, num_entries: int, first: int = 0) -> npt.NDArray[np.int32]:
+    """``prepped_indices`` of one slot ``row``, in a dlist whose first such row is ``first`` (the
+    aux rows follow the KV rows); the caller keeps every index within int32."""
+    return _entry_bases(num_slots, num_entries)[:, 0] + np.int32(first + row)
 
 
 @functools.lru_cache(maxsize=64)

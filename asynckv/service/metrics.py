@@ -3,7 +3,11 @@
 Counters and histograms are updated where things happen (a post settles, a room ends, a
 peer is first contacted); gauges (rooms by state, peers and their heartbeats, in-flight
 bytes, dropped control messages) are read from the managers' own tables at scrape time,
-so they cost nothing between scrapes. Labels: ``mode`` (prefill/decode), ``manager``
+so they cost nothing between scrapes. The counters and histograms are this module's own: a
+series is a plain counter list updated on its manager's loop thread with no lock (a room
+updates about ten of them; prometheus_client's took 1-2 us each behind a mutex and a Python
+bucket search, about 5% of a busy prefill loop), rendered into metric families at scrape time.
+Labels: ``mode`` (prefill/decode), ``manager``
 (the first 8 characters of its agent name), ``peer`` (the peer's agent name prefix) and,
 where it matters, ``kind``, ``result`` and ``reason``. Series of gone peers are kept for the
 64 most recent ones and removed after that.
@@ -11,13 +15,14 @@ where it matters, ``kind``, ``result`` and ``reason``. Series of gone peers are 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -27,6 +32,86 @@ __all__ = ["REGISTRY", "forget_manager", "forget_peer", "managers", "register_ma
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 """The registry ``/metrics`` serves (separate from prometheus_client's global one)."""
+
+
+
+class _Series:
+    """One labelled series: ``values`` (a counter's total; a histogram's per-bucket counts, then the sum)."""
+
+    __slots__ = ("bounds", "values")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = bounds
+        self.values: list[float] = [0] * (len(bounds) + 1) if bounds else [0]
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.values[0] += amount
+
+    def observe(self, amount: float) -> None:
+        values = self.values
+        values[bisect.bisect_left(self.bounds, amount)] += 1  # (the first bucket whose bound >= amount)
+        values[-1] += amount
+
+
+class _Metric(Collector):
+    """A counter or histogram with labels, in the prometheus_client shape this module uses:
+    ``labels(*values)`` -> a series with ``inc``/``observe``; ``remove(*values)``."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = (*buckets, float("inf")) if buckets else ()
+        self._metrics: dict[tuple[str, ...], _Series] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Series:
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: expected {len(self._labelnames)} label values, got {len(values)}")
+        key = tuple(str(v) for v in values)
+        series = self._metrics.get(key)
+        if series is None:
+            series = self._metrics[key] = _Series(self._bounds)
+        return series
+
+    def remove(self, *values: str) -> None:
+        self._metrics.pop(tuple(str(v) for v in values), None)
+
+    def collect(self) -> Iterator[Any]:
+        if not self._bounds:
+            family: Any = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+            for key, series in list(self._metrics.items()):
+                family.add_metric(key, series.values[0])
+            yield family
+            return
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        les = ["+Inf" if b == float("inf") else repr(float(b)) for b in self._bounds]  # (as prometheus_client)
+        for key, series in list(self._metrics.items()):
+            values = list(series.values)  # (a copy: the loop thread may be updating it)
+            cumulative, buckets = 0.0, []
+            for le, n in zip(les, values, strict=False):
+                cumulative += n
+                buckets.append((le, cumulative))
+            family.add_metric(key, buckets, values[-1])
+        yield family
+
+
+class Counter(_Metric):
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        super().__init__(name, documentation, labelnames, (), registry)
+
+
+class Histogram(_Metric):
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        if not buckets:
+            raise ValueError(f"{name}: a histogram needs buckets")
+        super().__init__(name, documentation, labelnames, buckets, registry)
+
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

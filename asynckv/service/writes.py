@@ -25,6 +25,7 @@ from ..kernels import (
     kv_page_descriptors,
     merge_contiguous,
     prepped_indices,
+    prepped_row,
     split_long,
 )
 from ..layout import KVArgs
@@ -265,9 +266,8 @@ class WriteBuilder:
                 or self._aux_base is None:
             raise InvalidArgument(f"aux rows {src_row} -> {dst_row} outside [0, {self._aux_rows}) -> "
                                   f"[0, {geom.aux_rows})")
-        buffers = np.arange(len(self.aux_ptrs), dtype=np.int64)
-        src = (self._aux_base + buffers * self._aux_rows + src_row).astype(np.int32)
-        dst = (geom.aux_base + buffers * geom.aux_rows + dst_row).astype(np.int32)
+        src = prepped_row(src_row, self._aux_rows, len(self.aux_ptrs), self._aux_base)
+        dst = prepped_row(dst_row, geom.aux_rows, len(self.aux_ptrs), geom.aux_base)
         return Write((PreppedPiece(src, dst),), len(src), self._aux_bytes)
 
     def _handle_bytes(self, nbytes: int) -> int:

@@ -14,6 +14,7 @@ from asynckv.kernels import (
     handle_bounds,
     kv_page_descriptors,
     prepped_indices,
+    prepped_row,
     split_long,
     validate_pages,
 )
@@ -112,6 +113,15 @@ def test_prepped_indices_match_reference(pages: list[int], entries: int) -> None
 def test_prepped_indices_refuse_int32_overflow() -> None:
     with pytest.raises(InvalidArgument, match="int32"):
         prepped_indices(np.array([0]), 2**31, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 99), st.integers(1, 5), st.integers(0, 10_000))
+def test_prepped_row_is_one_rows_indices_after_first(row: int, entries: int, first: int) -> None:
+    got = prepped_row(row, 100, entries, first)
+    assert got.dtype == np.int32
+    assert got.tolist() == [first + i for i in ref.prepped_indices([row], 100, entries)]
+    assert prepped_indices(np.array([row]), 100, entries).tolist() == ref.prepped_indices([row], 100, entries)
 
 
 @pytest.mark.parametrize("pages, needle", [
