@@ -272,6 +272,11 @@ class Bye(Message):
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls for cls in (Register, RegisterResult, TransferInfo, Status, Abort, Ping, Pong, Bye)
 }
+_FIELDS = {cls: (tuple((n, k) for n, k in cls.SCHEMA if k not in _BINARY),
+                 tuple((n, k) for n, k in cls.SCHEMA if k in _BINARY)) for cls in MESSAGE_TYPES.values()}
+"""Per message type: its scalar (body) fields and its binary fields, in frame order."""
+_JSON_OUT = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # (json.dumps builds one per call)
+_JSON_IN = json.JSONDecoder()
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -291,7 +296,7 @@ def encode(msg: Message) -> list[bytes]:
         else:
             body[name] = value
     head = _HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.TYPE)
-    return [head, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), *blobs]
+    return [head, _JSON_OUT.encode(body).encode(), *blobs]
 
 
 def decode(frames: list[bytes]) -> Message:
@@ -312,24 +317,22 @@ def decode(frames: list[bytes]) -> Message:
     if cls is None:
         raise RemoteProtocolError(f"unknown message type {msg_type}")
     blobs = frames[2:]
-    n_binary = sum(1 for _, kind in cls.SCHEMA if kind in _BINARY)
-    if len(blobs) != n_binary:
-        raise RemoteProtocolError(f"{cls.__name__}: expected {n_binary} binary frames, got {len(blobs)}")
+    scalars, binaries = _FIELDS[cls]
+    if len(blobs) != len(binaries):
+        raise RemoteProtocolError(f"{cls.__name__}: expected {len(binaries)} binary frames, got {len(blobs)}")
     values: dict[str, Any] = {}
-    blob_iter = iter(blobs)
-    for name, kind in cls.SCHEMA:
-        if kind in _BINARY:
-            values[name] = _binary(cls.__name__, name, kind, bytes(next(blob_iter)))
-        elif name not in body:
+    for name, kind in scalars:
+        if name not in body:
             raise RemoteProtocolError(f"{cls.__name__}: missing field {name!r}")
-        else:
-            values[name] = _scalar(cls.__name__, name, kind, body[name])
+        values[name] = _scalar(cls.__name__, name, kind, body[name])
+    for (name, kind), blob in zip(binaries, blobs, strict=True):
+        values[name] = _binary(cls.__name__, name, kind, bytes(blob))
     return cls(**values)
 
 
 def _load_body(frame: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(bytes(frame))
+        body = _JSON_IN.decode(bytes(frame).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise RemoteProtocolError(f"body is not JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -338,6 +341,17 @@ def _load_body(frame: bytes) -> dict[str, Any]:
 
 
 def _scalar(cls_name: str, name: str, kind: str, value: Any) -> Any:
+    if type(value) is int and kind in _INT_RANGES:  # (most fields: checked without the slow path)
+        low, high = _INT_RANGES[kind]
+        if low <= value <= high:
+            return value
+    return _checked_scalar(cls_name, name, kind, value)
+
+
+_INT_RANGES = {"uint": (0, 2**64 - 1), "room": (0, MAX_ROOM), "int": (-(2**63), 2**63 - 1)}
+
+
+def _checked_scalar(cls_name: str, name: str, kind: str, value: Any) -> Any:
     def bad(expected: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"{cls_name}.{name}: expected {expected}, got {value!r:.80}")
 

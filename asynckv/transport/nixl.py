@@ -31,7 +31,7 @@ class NixlDataPlane(NixlEngine):
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._closed
+        return self._running and not self._closed
 
     # -- loop side -----------------------------------------------------------------------
 
@@ -40,6 +40,7 @@ class NixlDataPlane(NixlEngine):
         ready: asyncio.Future[None] = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"asynckv-nixl-{self.name[:8]}",
                                         daemon=True)
+        self._running = True
         self._thread.start()
         await ready
         return bytes(await self._call(self._register, memory))

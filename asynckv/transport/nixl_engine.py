@@ -83,6 +83,7 @@ class NixlEngine:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._running = False  # (set as the thread starts, cleared as it ends: cheaper than is_alive())
         self._closed = False
         self._leases: dict[str, float] = {}
         self._cancelled: dict[int, BaseException] = {}
@@ -106,22 +107,24 @@ class NixlEngine:
 
     def _run(self, ready: asyncio.Future[None]) -> None:
         loop = self._loop
-        if loop is None:
-            return
         try:
-            self._agent = self._agent_factory(self.name, self._backend)
-        except BaseException as exc:
-            err = TransportError(f"cannot create NIXL agent ({self._backend}): {exc}")
-            err.__cause__ = exc
-            loop.call_soon_threadsafe(ready.set_exception, err)
-            return
-        loop.call_soon_threadsafe(ready.set_result, None)
-        try:
+            if loop is None:
+                return
+            try:
+                self._agent = self._agent_factory(self.name, self._backend)
+            except BaseException as exc:
+                err = TransportError(f"cannot create NIXL agent ({self._backend}): {exc}")
+                err.__cause__ = exc
+                loop.call_soon_threadsafe(ready.set_exception, err)
+                return
+            loop.call_soon_threadsafe(ready.set_result, None)
             self._progress_loop(loop)
         except BaseException as exc:
             self.thread_error = exc
             log.exception("data plane %s: engine thread died", self.name)
             raise
+        finally:
+            self._running = False
 
     def _register(self, memory: MemoryLayout) -> bytes:
         agent = self._agent
@@ -189,11 +192,8 @@ class NixlEngine:
                 state = "ERR"  # failed: it no longer holds anything in UCX
             if state == "PROC":
                 still.append((peer, handle))
-                continue
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception:
-                log.warning("release_xfer_handle failed", exc_info=True)
+            else:
+                self._release(handle)
         self._parked = still
         if self._retired:
             self._retire_drained()
@@ -277,17 +277,15 @@ class NixlEngine:
             if done:
                 idle_wait = _MIN_IDLE_WAIT_S
                 time.sleep(0)  # progress was made: go again at once, but yield the GIL
-            elif self._in_flight:
-                # Waiting on transfers: back off a little so a spinning poller does not take the
-                # CPU that the copy (CMA runs in the kernel) and the peer need.
+            else:  # back off: a little while transfers are in flight (a spinning poller would take
+                # the CPU that the copy, in the kernel with CMA, and the peer need), more when idle
                 self._wake.wait(idle_wait)
                 self._wake.clear()
-                idle_wait = min(idle_wait * 2, _MAX_BUSY_WAIT_S)
-            else:
-                self._wake.wait(idle_wait)
-                self._wake.clear()
-                expecting = self._expecting is None or self._expecting()
-                idle_wait = min(idle_wait * 2, self._idle_poll_s if expecting else self._deep_idle_s)
+                if self._in_flight:
+                    idle_wait = min(idle_wait * 2, _MAX_BUSY_WAIT_S)
+                else:
+                    expecting = self._expecting is None or self._expecting()
+                    idle_wait = min(idle_wait * 2, self._idle_poll_s if expecting else self._deep_idle_s)
 
     def _refusal(self, post: PostCmd, now: float) -> BaseException | None:
         """Why ``post`` may start no further handle, or None."""
