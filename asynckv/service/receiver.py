@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import Aborted
 from ..proto.receiver import ReceiverRoom
 from ..proto.states import KVPoll, ReceiverState
+from .pump import outcome
 
 if TYPE_CHECKING:
     from .decode import ReceiverPump
@@ -93,7 +94,7 @@ class KVReceiver:
         Failed is returned once the room's pages are fenced. Cancelling the waiting task
         does not abort the room; ``abort()`` does.
         """
-        return await asyncio.wait_for(asyncio.shield(self._done), timeout)
+        return await outcome(self._done, timeout)
 
     async def abort(self, reason: str = "aborted by decode") -> KVPoll:
         """Fail the room, tell every prefill rank involved, and return once none of them can

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import Aborted
 from ..proto.sender import SenderRoom
 from ..proto.states import KVPoll, SenderState
+from .pump import outcome
 
 if TYPE_CHECKING:
     from .prefill import PrefillService
@@ -63,7 +64,7 @@ class KVSender:
 
     async def wait_ready(self, timeout: float | None = None) -> KVPoll:
         """Wait until decode's destination is known (WaitingForInput) or the room failed."""
-        return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        return await outcome(self._ready, timeout)
 
     def init(self, num_pages: int, aux_index: int = -1) -> None:
         """Declare how many pages the room sends in total and which aux row carries its metadata."""
@@ -91,14 +92,14 @@ class KVSender:
             return
         if not fut.done() and not self.state.active:
             fut.set_result(None)
-        await asyncio.shield(fut)
+        await outcome(fut)
 
     async def wait(self, timeout: float | None = None) -> KVPoll:
         """Wait for the room's outcome: Success or Failed (never raises for a failed transfer).
 
         Cancelling the waiting task does not abort the room.
         """
-        return await asyncio.wait_for(asyncio.shield(self._done), timeout)
+        return await outcome(self._done, timeout)
 
     def send_nowait(self, page_indices: Any, state_indices: Any = None) -> int | None:
         """``send()`` for synchronous callers: queue the chunk (its writes wait for the byte budget

@@ -95,7 +95,6 @@ class NixlDataPlane(NixlEngine):
             log.exception("data plane %s: shutdown failed", self.name)
         self._closed = True
         self._commands.put(None)
-        self._wake.set()
         thread = self._thread
         await asyncio.get_running_loop().run_in_executor(None, thread.join, 10.0)
 
@@ -115,7 +114,6 @@ class NixlDataPlane(NixlEngine):
 
     def _put(self, cmd: Command) -> None:
         self._commands.put(cmd)
-        self._wake.set()
 
     def take_in_flight(self, post_id: int) -> bool:
         """Whether settled post ``post_id`` left a handle in flight, which may still read its source

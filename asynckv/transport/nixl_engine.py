@@ -81,7 +81,6 @@ class NixlEngine:
         self.on_notified: Notified | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._running = False  # (set as the thread starts, cleared as it ends: cheaper than is_alive())
         self._closed = False
@@ -235,9 +234,10 @@ class NixlEngine:
     def _progress_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         agent = self._agent
         idle_wait = _MIN_IDLE_WAIT_S
+        waited: list[Command] = []  # (the command that ended the last wait)
         while True:
             done: list[Any] = []
-            commands: list[Command] = []
+            commands, waited = waited, []
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -279,8 +279,10 @@ class NixlEngine:
                 time.sleep(0)  # progress was made: go again at once, but yield the GIL
             else:  # back off: a little while transfers are in flight (a spinning poller would take
                 # the CPU that the copy, in the kernel with CMA, and the peer need), more when idle
-                self._wake.wait(idle_wait)
-                self._wake.clear()
+                try:  # the queue is the wake-up too: a command ends the wait (C, unlike Event.wait)
+                    waited.append(self._commands.get(timeout=idle_wait))
+                except queue.Empty:
+                    pass
                 if self._in_flight:
                     idle_wait = min(idle_wait * 2, _MAX_BUSY_WAIT_S)
                 else:
