@@ -79,6 +79,10 @@ class Post(Action):
     timeout_s: float
     notif: bytes = b""
     """NIXL notification sent with the write's last handle (SGLang's wire), or none."""
+    aux: tuple[int, int] | None = None
+    """(prefill row, decode row) of the room's aux row, written after the pages of this "kv" write
+    (the last chunk's pages and its aux row to the same decode rank are one post; ``nbytes``
+    counts both)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -2,9 +2,11 @@
 
 A mixin of ``PrefillCore``. A write waits in one FIFO until the budget allows it (a write
 larger than the whole budget goes alone); a write of a room that failed meanwhile is
-dropped, never posted. A room succeeds only when its last chunk was given, nothing of it
-waits and every post settled without error; a draining room reports its failure once its
-last post settled.
+dropped, never posted. The aux row rides on the last chunk's KV write to the same decode
+rank (one post instead of two: for small rooms a post costs the loop more than its bytes),
+unless that chunk has no pages or each kind needs its own notification (SGLang's wire). A
+room succeeds only when its last chunk was given, nothing of it waits and every post
+settled without error; a draining room reports its failure once its last post settled.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from .states import Event, SenderState
 __all__ = ["WriteRules"]
 
 I64 = npt.NDArray[np.int64]
+Aux = tuple[int, int] | None
+WriteSpec = tuple[Destination, str, I64, I64, int, Aux]
+"""(destination, kind, src, dst, bytes, aux rows riding on a kv write)."""
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -40,10 +45,14 @@ class Queued:
     nbytes: int
     chunk: int
     last_of_chunk: bool
+    aux: Aux = None
 
 
 class WriteRules(Core):
     """Writes of a prefill rank (see the module docstring)."""
+
+    MERGE_AUX = True
+    """The aux row goes in the last chunk's KV post (off where each kind needs its own notification)."""
 
     def _init_writes(self) -> None:
         a = self.kv_args
@@ -98,19 +107,18 @@ class WriteRules(Core):
         """The NIXL notification a write carries (none on asynckv's wire: decode hears a Status)."""
         return b""
 
-    def _queue_writes(self, room: SenderRoom, chunk: int,
-                      writes: list[tuple[Destination, str, I64, I64, int]]) -> None:
-        for i, (dest, kind, src, dst, nbytes) in enumerate(writes):
-            self._queue.append(Queued(room, dest, kind, src, dst, nbytes, chunk, i == len(writes) - 1))
+    def _queue_writes(self, room: SenderRoom, chunk: int, writes: list[WriteSpec]) -> None:
+        for i, (dest, kind, src, dst, nbytes, aux) in enumerate(writes):
+            self._queue.append(Queued(room, dest, kind, src, dst, nbytes, chunk, i == len(writes) - 1, aux))
         room.queued += len(writes)
         if not writes:
             self._emit(ChunkPosted(room, chunk))
         self._pump_queue()
 
     def _chunk_writes(self, room: SenderRoom, pages: I64, start: int, state: I64 | None,
-                      is_last: bool) -> list[tuple[Destination, str, I64, I64, int]]:
+                      is_last: bool) -> list[WriteSpec]:
         """The writes of one chunk, per destination: KV pages, and with the last chunk aux and state."""
-        writes = []
+        writes: list[WriteSpec] = []
         n = len(pages)
         for dest in room.destinations.values():
             info = dest.info
@@ -118,12 +126,16 @@ class WriteRules(Core):
                 continue
             if n:
                 writes.append((dest, "kv", pages, info.dst_pages[start:start + n].astype(np.int64),
-                               n * self.page_bytes))
+                               n * self.page_bytes, None))
             if not is_last:
                 continue
             if info.write_aux and room.aux_index >= 0 and info.aux_index >= 0:
-                writes.append((dest, "aux", np.array([room.aux_index], dtype=np.int64),
-                               np.array([info.aux_index], dtype=np.int64), self.aux_bytes))
+                if n and self.MERGE_AUX:  # (the KV write just appended)
+                    kv = writes[-1]
+                    writes[-1] = (*kv[:4], kv[4] + self.aux_bytes, (room.aux_index, info.aux_index))
+                else:
+                    writes.append((dest, "aux", np.array([room.aux_index], dtype=np.int64),
+                                   np.array([info.aux_index], dtype=np.int64), self.aux_bytes, None))
             plan = dest.peer.plan.state
             if plan is None or len(info.dst_state_indices) == 0 or (plan.replicated and not info.write_aux):
                 continue
@@ -132,7 +144,7 @@ class WriteRules(Core):
                 raise InvalidArgument(f"room {room.room}: decode expects {len(info.dst_state_indices)} state "
                                       f"indices, the last chunk carried {got}")
             writes.append((dest, "state", state, info.dst_state_indices.astype(np.int64),
-                           len(state) * self.state_bytes))
+                           len(state) * self.state_bytes, None))
         return writes
 
     def _pump_queue(self) -> None:
@@ -159,6 +171,6 @@ class WriteRules(Core):
             self.stats[f"{q.kind}_bytes"] += q.nbytes
             timeout = self.config.xfer_deadline_base_s + q.nbytes / self.config.xfer_deadline_min_bytes_per_s
             self._emit(Post(post_id, dest.peer.name, room.room, dest.epoch, q.kind, q.src, q.dst, q.nbytes, timeout,
-                            self._notification(q)))
+                            self._notification(q), q.aux))
             if q.last_of_chunk:
                 self._emit(ChunkPosted(room, q.chunk))

@@ -64,6 +64,8 @@ STATE_REFUSED = "state indices: hybrid-model state (mamba/SWA/NSA) is not suppor
 class SglangPrefillCore(PrefillCore):
     """A prefill rank whose decode peers are stock SGLang 0.5.10 ranks (see the module docstring)."""
 
+    MERGE_AUX = False  # (SGLang's decode counts a notification per kind: the aux row is a post of its own)
+
     def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config) -> None:
         super().__init__(name, endpoint, kv_args, config)
         self._handlers.update({SglangRegister: self._on_sglang_register, SglangTransferInfo: self._on_sglang_info})

@@ -117,8 +117,8 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 TRANSFER_BYTES = Counter("asynckv_transfer_bytes", "Bytes written to a peer (prefill), by kind (kv, aux, state)",
                          ["mode", "manager", "peer", "kind"], registry=REGISTRY)
-TRANSFERS = Counter("asynckv_transfers", "NIXL posts that landed, by kind", ["mode", "manager", "peer", "kind"],
-                    registry=REGISTRY)
+TRANSFERS = Counter("asynckv_transfers", "Writes that landed, by kind (a room's aux row counts as one even when it "
+                    "rode on the room's last KV post)", ["mode", "manager", "peer", "kind"], registry=REGISTRY)
 TRANSFER_SECONDS = Histogram("asynckv_transfer_seconds", "Time from handing a post to the engine to all its writes "
                              "landing", ["mode", "manager", "peer"], buckets=_LATENCY_BUCKETS, registry=REGISTRY)
 DESCRIPTORS = Histogram("asynckv_descriptors_per_transfer", "Descriptors (or prepared indices) per NIXL post, "

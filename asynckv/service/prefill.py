@@ -38,8 +38,9 @@ class PrefillService(Pump):
         self.views: dict[SenderRoom, KVSender] = {}
         self._building: dict[int, BaseException | None] = {}
         """Posts whose descriptors are being built off the loop (-> the cancel that came meanwhile)."""
-        self._posted: dict[int, tuple[str, str, int, float]] = {}
-        """post id -> (peer, kind, bytes, monotonic time handed to the data plane), for metrics."""
+        self._posted: dict[int, tuple[str, str, int, float, bool]] = {}
+        """post id -> (peer, kind, bytes, monotonic time handed to the data plane, carries the aux row),
+        for metrics."""
         self._connect_slots = asyncio.Semaphore(config.max_connecting_peers)
         """Registrations that build their destination rows and connect at once; the rest wait, in order."""
         data.on_settled = self._on_settled
@@ -96,7 +97,7 @@ class PrefillService(Pump):
         self._submit(a, write)
 
     def _submit(self, a: act.Post, write: Write) -> None:
-        self._posted[a.post_id] = (a.peer, a.kind, write.nbytes, self.clock())
+        self._posted[a.post_id] = (a.peer, a.kind, write.nbytes, self.clock(), a.aux is not None)
         metrics.child(metrics.DESCRIPTORS, *self.labels, a.peer[:8]).observe(write.descriptors)
         self.data.post(a.post_id, a.peer, write, a.timeout_s)
 
@@ -117,10 +118,14 @@ class PrefillService(Pump):
             info = self._posted.pop(post_id, None)
             if info is None:
                 continue
-            peer, kind, nbytes, started = info
+            peer, kind, nbytes, started, with_aux = info
             labels = (*self.labels, peer[:8])
             if error is None:
                 metrics.child(metrics.TRANSFER_SECONDS, *labels).observe(now - started)
+                if with_aux:  # (an aux row that rode on a KV post still counts as an aux write)
+                    nbytes -= self.builder.aux_row_bytes
+                    metrics.child(metrics.TRANSFER_BYTES, *labels, "aux").inc(self.builder.aux_row_bytes)
+                    metrics.child(metrics.TRANSFERS, *labels, "aux").inc()
                 metrics.child(metrics.TRANSFER_BYTES, *labels, kind).inc(nbytes)
                 metrics.child(metrics.TRANSFERS, *labels, kind).inc()
             else:

@@ -199,7 +199,8 @@ class WriteBuilder:
             return 0  # build refuses it at once
         if post.kind == "kv":
             sliced = geom.plan.head_slice is not None
-            return len(post.src) * len(geom.plan.src_entries) * (self.args.page_size if sliced else 1)
+            aux = 0 if post.aux is None else len(self.aux_ptrs)
+            return len(post.src) * len(geom.plan.src_entries) * (self.args.page_size if sliced else 1) + aux
         state = geom.plan.state
         if state is None:
             return 0
@@ -241,6 +242,35 @@ class WriteBuilder:
         geom = self._peers.get(post.peer)
         if geom is None:
             raise KeyError(f"decode peer {post.peer[:8]} is not connected")
+        write = self._build_kind(geom, post)
+        return write if post.aux is None else self._with_aux(write, geom, *post.aux)
+
+    def _with_aux(self, write: Write, geom: _Peer, src_row: int, dst_row: int) -> Write:
+        """``write``, then the aux row: in its last handle when both are prepared indices and that
+        handle has room (a 1-page room is then one handle), else as a handle of its own."""
+        aux = self._aux_write(geom, src_row, dst_row)
+        last, first = write.pieces[-1], aux.pieces[0]
+        if (len(aux.pieces) == 1 and isinstance(last, PreppedPiece) and isinstance(first, PreppedPiece)
+                and len(last.src_idx) + len(first.src_idx) <= self.config.max_descs_per_xfer):
+            joined = PreppedPiece(np.concatenate((last.src_idx, first.src_idx)),
+                                  np.concatenate((last.dst_idx, first.dst_idx)))
+            pieces = (*write.pieces[:-1], joined)
+        else:
+            pieces = (*write.pieces, *aux.pieces)
+        return Write(pieces, write.descriptors + aux.descriptors, write.nbytes + aux.nbytes)
+
+    @property
+    def aux_row_bytes(self) -> int:
+        """Bytes of one aux row over every aux buffer."""
+        return self._aux_bytes
+
+    def _aux_write(self, geom: _Peer, src_row: int, dst_row: int) -> Write:
+        if geom.aux_base is not None and self._aux_base is not None:
+            return self._prepped_aux(geom, src_row, dst_row)
+        src, dst = aux_descriptors(self.aux_ptrs, geom.aux_ptrs, self.aux_items, src_row, dst_row)
+        return self._pieces(src, dst, "DRAM", "DRAM")
+
+    def _build_kind(self, geom: _Peer, post: Post) -> Write:
         if post.kind == "kv" and geom.prepped:
             src_idx = prepped_indices(post.src, self._num_pages, self._num_entries)
             dst_idx = prepped_indices(post.dst, geom.num_pages, self._num_entries)
@@ -251,11 +281,7 @@ class WriteBuilder:
         if post.kind == "kv":
             src, dst = self._kv_descs(geom, post)
         elif post.kind == "aux":
-            if geom.aux_base is not None and self._aux_base is not None:
-                return self._prepped_aux(geom, int(post.src[0]), int(post.dst[0]))
-            src, dst = aux_descriptors(self.aux_ptrs, geom.aux_ptrs, self.aux_items, int(post.src[0]),
-                                       int(post.dst[0]))
-            return self._pieces(src, dst, "DRAM", "DRAM")
+            return self._aux_write(geom, int(post.src[0]), int(post.dst[0]))
         else:
             src, dst = self._state_descs(geom, post)
         return self._pieces(src, dst, self.args.mem_kind, geom.mem_kind)

@@ -148,6 +148,8 @@ class SimDataPlane:
         n = len(a.dst)
         pages = [j for j in range(n) if k == (j + 1) * post.units // n - 1] if n else []
         self._write(node, target, a, pages)
+        if a.aux is not None and k + 1 == post.units:  # an aux row riding on the post lands with its last handle
+            self._land_aux(target, (a.room, a.epoch), a.aux[1])
         if k + 1 < post.units:
             self.on(node, self.now, self._unit, post, k + 1)
         elif self.mix.async_posts:  # the engine polls the handle: a cancel or lapsed lease seen meanwhile wins
@@ -172,11 +174,7 @@ class SimDataPlane:
         if not which:
             return
         if a.kind == "aux":
-            row = int(a.dst[0])
-            if target.aux_owner.get(row) != key:
-                self.violation(f"I1: aux row {row} of {target} written for room {key} "
-                               f"but owned by {target.aux_owner.get(row)}")
-            target.aux_content[row] = key
+            self._land_aux(target, key, int(a.dst[0]))
             return
         tp_p = len(self.prefill[node.group])
         tp_d = len(self.decode[target.group])
@@ -188,6 +186,12 @@ class SimDataPlane:
                                f"but owned by {target.owner.get(dst)}")
             room, position = node.src_owner.get(src, (-1, -1))
             target.content[(dst, piece)] = (room, a.epoch, position)
+
+    def _land_aux(self, target: SimNode, key: tuple[int, int], row: int) -> None:
+        if target.aux_owner.get(row) != key:
+            self.violation(f"I1: aux row {row} of {target} written for room {key} "
+                           f"but owned by {target.aux_owner.get(row)}")
+        target.aux_content[row] = key
 
     def check_success(self, node: SimNode, room: ReceiverRoom) -> None:
         """I3: every page of a room decode reports Success holds that room's bytes from every writer."""

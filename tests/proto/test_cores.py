@@ -20,19 +20,22 @@ from .harness import DEFAULTS, Cluster, ready_room, register_pair, slow_posts
 
 def test_1_aux_row_is_not_written_after_decode_reported_failed() -> None:
     c, p, d, r, s = ready_room([3, 4], aux=2)
-    slow_posts(c, 50)  # the last chunk's KV and aux writes are in flight for a while
+    slow_posts(c, 50)  # the last chunk's write (its pages, then the aux row) is in flight for a while
     c.send(p, s, [0, 1], aux=1)
+    [(_, post)] = [(t, a) for t, a in c.actions(act.Post, p) if a.room == 1]
+    assert post.kind == "kv" and post.aux == (1, 2)  # one post: the aux row rides after the pages
     c.run_ms(110)
     c.w.drive(d, "abort_receiver", r, Aborted("client went away"))
     c.run_ms(111)
     assert s.poll() == KVPoll.Failed and s.state is SenderState.DRAINING  # prefill may drop the request now
     assert r.poll() == KVPoll.Transferring  # decode may not reuse the pages yet
     c.run_ms(300)
-    # The aux write never started (cancelled before its handle): decode hears of it at 150.1 ms, not at 111.
+    # The handle in flight at the abort (page 3) finishes at 125 ms; the rest (page 4, the aux row) never
+    # starts: decode hears of it at 125.05 ms, not at 111.
     [(status_ms, status)] = c.sent(p, Status, lambda m: m.room == 1)
-    assert not status.ok and status_ms == 150.100013
-    assert c.finished_ms(r) == 151.100013 and r.poll() == KVPoll.Failed
-    assert 2 not in d.aux_content
+    assert not status.ok and status_ms == 125.050008
+    assert c.finished_ms(r) == 126.050008 and r.poll() == KVPoll.Failed
+    assert 2 not in d.aux_content and (4, 0) not in d.content
     c.check()
 
 
@@ -64,8 +67,9 @@ def test_3_close_says_goodbye_only_after_its_writes_settled() -> None:
     c.run_ms(300)
     [(bye_ms, _)] = c.sent(p, Bye)
     [(closed_ms, _)] = c.actions(act.Closed, p)
-    assert bye_ms == closed_ms == 150.100013  # the last write settled at 150.1 ms
-    assert c.finished_ms(r) == 151.100013 and "closed: manager closed" in (r.reason or "")
+    # The write's handle in flight at the close (page 3) finished at 125 ms; its next one never started.
+    assert bye_ms == closed_ms == 125.050008
+    assert c.finished_ms(r) == 126.050008 and "closed: manager closed" in (r.reason or "")
     c.check()
 
 

@@ -79,3 +79,30 @@ def test_a_prepared_aux_row_out_of_range_is_refused_not_sent_to_a_neighbour() ->
     for src, dst in ((16, 0), (0, 16), (-1, 0)):
         with pytest.raises(InvalidArgument, match="aux rows"):
             builder.build(aux_post(src, dst))
+
+
+def kv_post(src: list[int], dst: list[int], aux: tuple[int, int] | None) -> Post:
+    return Post(2, "decode", 7, 1, "kv", np.array(src), np.array(dst), 256 * 2 * len(src), 5.0, aux=aux)
+
+
+def test_the_aux_row_riding_on_a_kv_post_joins_its_last_handle_at_the_rows_the_aux_post_would_write() -> None:
+    builder, _, remote = connected(decode_aux_rows=32)
+    assert remote is not None
+    alone, riding = builder.build(kv_post([1, 2], [7, 9], None)), builder.build(kv_post([1, 2], [7, 9], (3, 5)))
+    aux = builder.build(aux_post(3, 5))
+    (kv_piece,), (aux_piece,), (piece,) = alone.pieces, aux.pieces, riding.pieces
+    assert all(isinstance(x, PreppedPiece) for x in (piece, kv_piece, aux_piece))
+    assert piece.src_idx.tolist() == kv_piece.src_idx.tolist() + aux_piece.src_idx.tolist()
+    assert piece.dst_idx.tolist() == kv_piece.dst_idx.tolist() + aux_piece.dst_idx.tolist()
+    assert (riding.nbytes, riding.descriptors) == (alone.nbytes + aux.nbytes, alone.descriptors + aux.descriptors)
+    assert builder.descriptor_count(kv_post([1, 2], [7, 9], (3, 5))) == alone.descriptors + 2
+
+
+def test_the_aux_row_goes_as_a_handle_of_its_own_when_the_last_one_is_full_or_not_prepared() -> None:
+    builder, _, _ = connected(decode_aux_rows=32)
+    builder.config = Config(prepped_dlists=True, staging_bytes=0, max_descs_per_xfer=4)
+    full = builder.build(kv_post([1, 2], [7, 9], (3, 5)))  # 2 pages x 2 entries: the handle is full
+    assert [len(p.src_idx) for p in full.pieces if isinstance(p, PreppedPiece)] == [4, 2]
+    builder, _, _ = connected(decode_aux_rows=16 * 4 + 1)  # aux rows not prepared: descriptors after the pages
+    last = builder.build(kv_post([1], [7], (3, 64))).pieces
+    assert isinstance(last[0], PreppedPiece) and isinstance(last[-1], DescPiece) and len(last) == 2
