@@ -10,9 +10,11 @@ same requests with the same slots (``bench_seed_workload.run_case``). Rounds int
 (the side that goes first alternates); medians and the min-max spread are reported.
 
 Decode latency: SGLang from ``send_metadata`` to ``poll()`` == Success, asynckv from
-``receiver.init()`` to ``wait()`` resolving. CPU: SGLang's processes count from the start of the
-work (after their ~9 s imports); asynckv's prefill process is counted whole, start-up included
-(which can only favour SGLang). Skipped, with the reason, when the SGLang venv is not built.
+``receiver.init()`` to ``wait()`` resolving. CPU: both connectors' processes while serving:
+SGLang's from the start of the work (after their ~9 s imports), asynckv's prefill from its first
+destination to its last room and its decode from the prefill found to the last Success (start-up,
+imports and the pool's page faults excluded on both sides). Skipped, with the reason, when the
+SGLang venv is not built.
 """
 
 from __future__ import annotations
