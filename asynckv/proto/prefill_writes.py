@@ -168,7 +168,10 @@ class WriteRules(Core):
             dest.peer.posts.add(post_id)
             self.inflight_bytes += q.nbytes
             self.stats[f"{q.kind}_posts"] += 1
-            self.stats[f"{q.kind}_bytes"] += q.nbytes
+            self.stats[f"{q.kind}_bytes"] += q.nbytes - (0 if q.aux is None else self.aux_bytes)
+            if q.aux is not None:  # (bytes by kind stay by kind; the rows that rode are counted apart)
+                self.stats["aux_riding"] += 1
+                self.stats["aux_bytes"] += self.aux_bytes
             timeout = self.config.xfer_deadline_base_s + q.nbytes / self.config.xfer_deadline_min_bytes_per_s
             self._emit(Post(post_id, dest.peer.name, room.room, dest.epoch, q.kind, q.src, q.dst, q.nbytes, timeout,
                             self._notification(q), q.aux))

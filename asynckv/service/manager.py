@@ -345,7 +345,8 @@ class KVManager:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters of the core: messages by type, drops by reason, posts and bytes by kind."""
+        """Counters of the core: messages by type, drops by reason, posts and bytes by kind (an aux
+        row that rode on a KV post counts in ``aux_bytes`` and ``aux_riding``, not ``aux_posts``)."""
         return {} if self._svc is None else dict(self._svc.core.stats)
 
     def snapshot(self) -> dict[str, Any]:

@@ -247,11 +247,13 @@ class WriteBuilder:
 
     def _with_aux(self, write: Write, geom: _Peer, src_row: int, dst_row: int) -> Write:
         """``write``, then the aux row: in its last handle when both are prepared indices and that
-        handle has room (a 1-page room is then one handle), else as a handle of its own."""
+        handle has room, in descriptors and bytes (a 1-page room is then one handle), else as a
+        handle of its own."""
         aux = self._aux_write(geom, src_row, dst_row)
         last, first = write.pieces[-1], aux.pieces[0]
         if (len(aux.pieces) == 1 and isinstance(last, PreppedPiece) and isinstance(first, PreppedPiece)
-                and len(last.src_idx) + len(first.src_idx) <= self.config.max_descs_per_xfer):
+                and len(last.src_idx) + len(first.src_idx) <= self.config.max_descs_per_xfer
+                and len(last.src_idx) * self._max_item + aux.nbytes <= self._handle_bytes(write.nbytes)):
             joined = PreppedPiece(np.concatenate((last.src_idx, first.src_idx)),
                                   np.concatenate((last.dst_idx, first.dst_idx)))
             pieces = (*write.pieces[:-1], joined)

@@ -129,8 +129,8 @@ class NixlDataPlane(NixlEngine):
         every call fails, so that no caller waits for ever (the contract: each post settles once)."""
         err = TransportError(f"data plane {self.name[:8]}: engine thread died ({self.thread_error!r})")
         batch: list[tuple[int, BaseException | None]] = []
-        orphans: list[Any] = [*self._in_flight]
-        self._in_flight = []
+        orphans: list[Any] = [*self._in_flight, *self._woken]  # (a command that woke it just before it died)
+        self._in_flight, self._woken = [], []
         while True:
             try:
                 orphans.append(self._commands.get_nowait())

@@ -83,6 +83,7 @@ class NixlEngine:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._running = False  # (set as the thread starts, cleared as it ends: cheaper than is_alive())
+        self._woken: list[Command] = []  # (the command that ended the last wait: the thread's until its next round)
         self._closed = False
         self._leases: dict[str, float] = {}
         self._cancelled: dict[int, BaseException] = {}
@@ -234,10 +235,9 @@ class NixlEngine:
     def _progress_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         agent = self._agent
         idle_wait = _MIN_IDLE_WAIT_S
-        waited: list[Command] = []  # (the command that ended the last wait)
         while True:
             done: list[Any] = []
-            commands, waited = waited, []
+            commands, self._woken = self._woken, []
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -280,7 +280,7 @@ class NixlEngine:
             else:  # back off: a little while transfers are in flight (a spinning poller would take
                 # the CPU that the copy, in the kernel with CMA, and the peer need), more when idle
                 try:  # the queue is the wake-up too: a command ends the wait (C, unlike Event.wait)
-                    waited.append(self._commands.get(timeout=idle_wait))
+                    self._woken.append(self._commands.get(timeout=idle_wait))
                 except queue.Empty:
                     pass
                 if self._in_flight:

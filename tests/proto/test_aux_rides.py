@@ -23,6 +23,8 @@ def test_the_last_chunk_carries_the_aux_row_and_it_lands_with_the_pages() -> Non
     page, aux = p.core.page_bytes, p.core.aux_bytes
     assert posts(c, p, 1) == [("kv", [3], None, page), ("kv", [4, 5], (1, 2), 2 * page + aux)]
     assert r.poll() == KVPoll.Success and d.aux_content[2] == (1, r.epoch)
+    stats = p.core.stats  # (bytes by kind stay by kind; the row that rode is counted apart)
+    assert (stats["aux_riding"], stats["aux_posts"], stats["aux_bytes"]) == (1, 0, aux)
     c.check()
 
 

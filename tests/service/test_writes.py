@@ -106,3 +106,11 @@ def test_the_aux_row_goes_as_a_handle_of_its_own_when_the_last_one_is_full_or_no
     builder, _, _ = connected(decode_aux_rows=16 * 4 + 1)  # aux rows not prepared: descriptors after the pages
     last = builder.build(kv_post([1], [7], (3, 64))).pieces
     assert isinstance(last[0], PreppedPiece) and isinstance(last[-1], DescPiece) and len(last) == 2
+
+
+def test_the_aux_row_joins_the_last_handle_only_within_its_byte_bound() -> None:
+    builder, local, _ = connected(decode_aux_rows=32)
+    builder.config = Config(prepped_dlists=True, staging_bytes=0, xfer_handle_bytes=512)  # one page a handle
+    write = builder.build(kv_post([1, 2], [7, 9], (3, 5)))
+    sizes = [int(local[p.src_idx][:, 1].sum()) for p in write.pieces if isinstance(p, PreppedPiece)]
+    assert sizes == [512, 512, 128]  # two pages, then the aux row alone: no handle past 512 bytes

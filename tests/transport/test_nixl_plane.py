@@ -294,3 +294,39 @@ async def test_a_post_past_its_deadline_settles_marked_with_its_handle_still_in_
     await until(lambda: len(settled) == 2)
     assert not plane.take_in_flight(2)
     await plane.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+@pytest.mark.parametrize("kind", ["post", "call"])
+async def test_a_command_that_woke_the_engine_just_before_its_thread_died_still_settles(kind: str) -> None:
+    """The command that ends the engine's idle wait is the thread's until its next round; a thread
+    that dies in between (here ``expecting()`` raising) must not take it along unsettled."""
+    agent, state = FakeAgent(), {"die": False}
+
+    def expecting() -> bool:
+        if state["die"]:
+            raise RuntimeError("engine bug")
+        return False
+    plane = NixlDataPlane("me", agent_factory=lambda n, b: agent, expecting=expecting, idle_poll_s=0.5,
+                          deep_idle_s=0.5)  # long idle waits: the command below ends one
+    settled: list[tuple[int, BaseException | None]] = []
+    plane.on_settled = settled.extend
+    await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
+    await plane.connect_peer("peer", stub_agent_metadata("peer"), rows(4), "DRAM")
+    plane.set_lease("peer", time.monotonic() + 60)
+    await asyncio.sleep(0.3)  # deep in an idle wait now
+    state["die"] = True  # the expecting() right after the wait kills the thread
+    call = None
+    if kind == "post":
+        plane.post(7, "peer", prepped(), 30.0)
+    else:
+        call = asyncio.ensure_future(plane.call(lambda agent: "ok"))
+    assert plane._thread is not None
+    await until(lambda: not plane._thread.is_alive())  # type: ignore[union-attr]
+    await plane.close()
+    if call is None:
+        await until(lambda: len(settled) == 1)
+        assert settled[0][0] == 7 and "engine thread died" in str(settled[0][1])
+    else:
+        with pytest.raises(Exception, match="engine thread died"):
+            await asyncio.wait_for(call, 2.0)
