@@ -132,7 +132,7 @@ class LanedDataPlane:
             i = (self._next + k) % n
             if (best < 0 or load[i] < load[best]) and lanes[i].alive:
                 best = i
-        if best < 0:  # no lane alive: as _pick, take the next one (its post settles with the error)
+        if best < 0:  # no lane alive: the next one (its engine settles the post at once, with the reason)
             best = self._next
         self._next = (best + 1) % n
         return best
