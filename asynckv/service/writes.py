@@ -76,13 +76,9 @@ def dlist_rows(ptrs: U64, strides: U64, lengths: U64, num_pages: int, dev: int, 
 
 
 def aux_rows(ptrs: U64, items: U64, rows: int) -> U64:
-    """One DRAM row per (aux buffer, row), buffer-major: row r of buffer b is row ``b * rows + r``."""
-    r = np.arange(rows, dtype=np.uint64)
-    out = np.empty((len(ptrs) * rows, 3), dtype=np.uint64)
-    out[:, 0] = (ptrs[:, None] + items[:, None] * r[None, :]).ravel()
-    out[:, 1] = np.repeat(items, rows)
-    out[:, 2] = 0
-    return out
+    """One DRAM row per (aux buffer, row), buffer-major: row r of buffer b is row ``b * rows + r``
+    (the layout of ``dlist_rows``, an aux row being a page of its buffer)."""
+    return dlist_rows(ptrs, items, items, rows, 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
