@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ClosedError, TransportError
 from .base import U64, DescPiece, MemoryLayout, Write
-from .commands import Call, Cancel, Command, Forget, PostCmd, map_nixl_error
+from .commands import DRAIN_BATCH, Call, Cancel, Command, Forget, Outbox, PostCmd, map_nixl_error
 from .nixl_engine import NixlEngine
 
 __all__ = ["NixlDataPlane", "map_nixl_error"]
@@ -37,6 +37,7 @@ class NixlDataPlane(NixlEngine):
 
     async def start(self, memory: MemoryLayout) -> bytes:
         self._loop = asyncio.get_running_loop()
+        self._outbox = Outbox(self._loop, self._on_loop, DRAIN_BATCH)
         ready: asyncio.Future[None] = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"asynckv-nixl-{self.name[:8]}",
                                         daemon=True)

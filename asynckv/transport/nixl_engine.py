@@ -13,13 +13,13 @@ UCX over loopback, DRAM):
 - a stopped peer leaves a handle in ``PROC`` forever (20 s and more seen): every post has a
   deadline; releasing a ``PROC`` handle cancels it.
 
-The loop hands commands over a queue; settled posts come back in one
-``call_soon_threadsafe`` per progress round. Each post is a series of handles with at most
-one in flight at a time (with CMA the copy happens inside ``transfer()``; over TCP the next
-handle starts when the previous one completed); before each handle starts, the post's write
-lease and the cancel set are checked, so a cancelled or lease-lapsed post lands at most the
-handle already in flight. (Posting every handle at once let a slow TCP post land bytes for
-seconds past its lease in the simulator.)
+The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the
+loop drains a few per round. Each post is a series of handles with at most one in flight at
+a time (with CMA the copy happens inside ``transfer()``; over TCP the next handle starts
+when the previous one completed); before each handle starts, the post's write lease and the
+cancel set are checked, so a cancelled or lease-lapsed post lands at most the handle already
+in flight. (Posting every handle at once let a slow TCP post land bytes for seconds past its
+lease in the simulator.)
 
 NIXL cannot cancel a transfer in flight: releasing a handle that is still ``PROC`` lets
 UCX complete the request later into freed memory (NIXL issue 2067), its bytes may still
@@ -52,7 +52,7 @@ from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError, Transfer
 from ..proto.topology import check_metadata_name
 from .agent import keep_until_exit, nixl_agent
 from .base import U64, DescPiece, MemoryLayout, Notified, PreppedPiece, Settled
-from .commands import Cancel, Command, Forget, PostCmd, map_nixl_error
+from .commands import Cancel, Command, Forget, Outbox, PostCmd, map_nixl_error
 
 __all__ = ["NixlEngine"]
 
@@ -83,6 +83,7 @@ class NixlEngine:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._running = False  # (set as the thread starts, cleared as it ends: cheaper than is_alive())
+        self._outbox: Outbox | None = None  # (settled posts and call results, to the loop)
         self._woken: list[Command] = []  # (the command that ended the last wait: the thread's until its next round)
         self._closed = False
         self._leases: dict[str, float] = {}
@@ -412,9 +413,8 @@ class NixlEngine:
             self._loop.call_soon_threadsafe(self.on_notified, batch)
 
     def _deliver(self, done: list[Any]) -> None:
-        loop = self._loop
-        if loop is not None and done:
-            loop.call_soon_threadsafe(self._on_loop, done)
+        if self._outbox is not None and done:  # (set by start(), on the loop)
+            self._outbox.put(done)
 
     def _on_loop(self, done: list[tuple[Any, Any, BaseException | None]]) -> None:
         settled = []
