@@ -34,6 +34,10 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     if cc:
         for r in cc["rows"]:
             prefill = f", prefill {r['prefill_loop_lag_p99_ms']:.2f} ms" if "prefill_loop_lag_p99_ms" in r else ""
+            if "prefill_steady_loop_lag_p99_ms" in r:
+                prefill = (f" (steady state {r['steady_loop_lag_p99_ms']:.2f}), prefill "
+                           f"{r['prefill_loop_lag_p99_ms']:.2f} ms (steady state "
+                           f"{r['prefill_steady_loop_lag_p99_ms']:.2f})")
             cpu = (f"; loop CPU per room: decode {r['decode_loop_cpu_ms_per_room']:.3f} ms, prefill "
                    f"{r['prefill_loop_cpu_ms_per_room']:.3f} ms" if "prefill_loop_cpu_ms_per_room" in r else "")
             lines.append(f"| Q3 {r['inflight']} rooms in flight, {r['loop']} | {r['rooms_per_s']:.0f} rooms/s, "

@@ -46,14 +46,15 @@ TRANSIENT_SOCKETS = 32
 TRANSIENT_PER_S = 50.0
 """Such replies per second at most (a burst of as many): beyond, they are dropped and counted, so
 messages naming made-up endpoints cannot open sockets (file descriptors) without bound."""
-READ_BATCH = 4
+READ_BATCH = 2
 """The reader yields to the event loop after this many messages in a row (ZMQ hands over a queued
 message without suspending: a flood would otherwise hold the loop for seconds). Each message can
 wake a waiting task, and the loop runs all of them in its next round, so this bounds how much
-work one round of reads starts. With 1,000 rooms in flight (Q3, uvloop, 3 interleaved runs each):
-16 -> 4 took decode's loop lag p99 from 12.1 to 4.4 ms and prefill's from 35 to 21 ms at 0.95x
-the rooms/s (within the runs' spread); 1 gave 2.1 and 7.5 ms but cost 18% of the rooms/s (a
-loop round per message). (64 -> 16 had taken it from 25-28 to 18-22 ms.)"""
+work one round of reads starts. With 1,000 rooms in flight (Q3, uvloop, interleaved runs): 16 -> 4
+took decode's loop lag p99 from 12.1 to 4.4 ms and prefill's from 35 to 21 ms; with settles also
+taken a few per round (``Outbox``), 4 -> 2 took them from 4.4 to 2.5 ms and 8.6 to 6.2 ms
+(6 runs each, rooms/s 0.97x, within their spread); 1 had cost 18% of the rooms/s (a loop round
+per message)."""
 
 
 class RateLimitedLog:
