@@ -71,8 +71,9 @@ Command = Call | PostCmd | Cancel | Forget | None
 DRAIN_BATCH = 4
 """Settled posts the loop takes per round (the rest wait for its next poll). Each can wake a task,
 which the loop runs in its next round, so this bounds a round's work. Q3 (1,000 rooms in flight,
-uvloop, 3 interleaved runs each): prefill loop lag p99 12.2 ms when each engine round's settles
-came in one call, 8.2 ms at 8, 6.4 ms at 3, at the same CPU per room; 1 cost 20% more CPU."""
+uvloop, interleaved runs): prefill loop lag p99 12-19 ms when each engine round's settles came in
+one call, 9.5 ms at 4 (8 runs), at 0.94-0.99x the rooms/s in two A/Bs; 8 gave 8.2 ms where 3 gave
+6.4; 1 cost 20% more CPU per room."""
 
 
 class Outbox:
