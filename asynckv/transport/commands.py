@@ -107,3 +107,12 @@ class Outbox:
             self._loop.call_soon(self._drain)
         if taken:
             self._take(taken)
+
+    def flush(self) -> None:
+        """On the loop: take everything queued now (a drain still due then finds nothing; a put
+        racing this is taken here or by the drain it schedules)."""
+        items, taken = self._items, []
+        while items:
+            taken.append(items.popleft())
+        if taken:
+            self._take(taken)

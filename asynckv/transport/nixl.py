@@ -88,6 +88,7 @@ class NixlDataPlane(NixlEngine):
             return
         if not self._thread.is_alive():  # it died: settle what it never took, or took and never finished
             self._closed = True
+            self._flush()  # (what it handed over comes first)
             self._settle_orphans()
             return
         try:
@@ -98,6 +99,11 @@ class NixlDataPlane(NixlEngine):
         self._commands.put(None)
         thread = self._thread
         await asyncio.get_running_loop().run_in_executor(None, thread.join, 10.0)
+        self._flush()  # posts taken during close settled before the thread ended: on_settled sees them now
+
+    def _flush(self) -> None:
+        if self._outbox is not None:
+            self._outbox.flush()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(agent, *args)`` on the engine thread (tests and benchmarks inspect the agent this way)."""

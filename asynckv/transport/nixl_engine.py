@@ -175,14 +175,14 @@ class NixlEngine:
         """Release the dlists and remove the agents of forgotten peers with nothing in flight or parked."""
         busy = {peer for peer, _ in self._parked} | {post.peer for post in self._in_flight}
         for peer in [p for p in self._retired if p not in busy]:
-            for dlist in self._retired.pop(peer):
-                if dlist is not None:
-                    self._agent.release_dlist_handle(dlist)
+            calls = [(self._agent.release_dlist_handle, d) for d in self._retired.pop(peer) if d is not None]
             if peer not in self._remote:  # (not connected again meanwhile under the same name)
+                calls.append((self._agent.remove_remote_agent, peer))
+            for fn, arg in calls:  # (a failure must not end the thread mid-round, with settles in hand)
                 try:
-                    self._agent.remove_remote_agent(peer)
+                    fn(arg)
                 except Exception:
-                    log.debug("remove_remote_agent(%s) failed", peer, exc_info=True)
+                    log.warning("%s for %s failed", getattr(fn, "__name__", "call"), peer[:8], exc_info=True)
 
     def _poll_parked(self) -> None:
         still = []

@@ -158,6 +158,27 @@ async def test_a_forgotten_peers_write_settles_only_once_its_handles_finished_th
     assert agent.live == agent.released  # everything made was released, nothing twice (the fake checks)
 
 
+
+async def test_a_failing_dlist_release_neither_loses_the_settle_nor_ends_the_engine() -> None:
+    """Releasing a forgotten peer's dlist runs in the same round that finishes its last write: a
+    failure there used to end the thread with that settle in hand (never delivered, never orphaned)."""
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    plane.post(1, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 1)
+    plane.forget_peer("peer")
+
+    def failing_release(h: int) -> None:
+        raise RuntimeError("nixl: release_dlist_handle failed")
+    agent.release_dlist_handle = failing_release  # type: ignore[method-assign]
+    agent.finish = True
+    await until(lambda: settled)
+    assert settled[0][0] == 1 and isinstance(settled[0][1], PeerUnreachable)
+    await until(lambda: any(c[0] == "remove_remote_agent" for c in agent.calls))  # (the rest still ran)
+    assert plane.alive
+    assert await plane.call(lambda a: "still serving") == "still serving"
+    await plane.close()
+
 async def test_closing_with_writes_that_complete_meanwhile_releases_everything_in_order() -> None:
     agent = FakeAgent()
     plane, settled = await started(agent)
@@ -330,3 +351,67 @@ async def test_a_command_that_woke_the_engine_just_before_its_thread_died_still_
     else:
         with pytest.raises(Exception, match="engine thread died"):
             await asyncio.wait_for(call, 2.0)
+
+
+async def test_close_returns_only_after_the_posts_taken_during_close_settled() -> None:
+    """Posts handed over while close() waits for its shutdown call are taken (and settle) before the
+    engine stops; the loop takes settles a few per round, so close() must flush the rest itself."""
+    agent = FakeAgent()
+    agent.finish = True
+    plane, settled = await started(agent)
+    close = asyncio.ensure_future(plane.close())
+    await asyncio.sleep(0)  # close() has queued its shutdown call; the plane still takes posts
+    for post_id in range(1, 401):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    outbox = plane._outbox
+    assert outbox is not None
+    deadline = time.monotonic() + 5  # hold the loop until the engine handed back the call and all 400
+    while len(outbox._items) < 401 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    await close
+    assert sorted(post_id for post_id, _ in settled) == list(range(1, 401))  # all, once, before close returned
+    await asyncio.sleep(0.05)
+    assert len(settled) == 400  # (and nothing again later)
+
+
+async def test_close_returns_only_after_the_posts_in_flight_at_close_settled() -> None:
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    for post_id in range(1, 401):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 400)
+    await plane.close()
+    assert sorted(post_id for post_id, _ in settled) == list(range(1, 401))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+async def test_settles_handed_over_before_the_thread_died_come_before_close_returns() -> None:
+    """The engine settled ten posts, then died before the loop drained them (the loop was busy):
+    close() delivers those, in order, before it returns."""
+    agent, state = FakeAgent(), {"die": False}
+    agent.finish = True
+
+    def expecting() -> bool:
+        if state["die"]:
+            raise RuntimeError("engine bug")
+        return False
+    plane = NixlDataPlane("me", agent_factory=lambda n, b: agent, expecting=expecting, idle_poll_s=0.01,
+                          deep_idle_s=0.01)
+    settled: list[tuple[int, BaseException | None]] = []
+    plane.on_settled = settled.extend
+    await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
+    await plane.connect_peer("peer", stub_agent_metadata("peer"), rows(4), "DRAM")
+    plane.set_lease("peer", time.monotonic() + 60)
+    for post_id in range(1, 11):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    outbox, thread = plane._outbox, plane._thread
+    assert outbox is not None and thread is not None
+    deadline = time.monotonic() + 5  # the loop is held here (as by a long callback): nothing drains
+    while len(outbox._items) < 10 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    state["die"] = True
+    thread.join(5)
+    assert not thread.is_alive() and settled == []
+    await plane.close()
+    assert [post_id for post_id, _ in settled] == list(range(1, 11))
+    assert all(error is None for _, error in settled)
