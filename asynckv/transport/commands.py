@@ -72,17 +72,18 @@ DRAIN_BATCH = 4
 """Settled posts the loop takes per round (the rest wait for its next poll). Each can wake a task,
 which the loop runs in its next round, so this bounds a round's work. Q3 (1,000 rooms in flight,
 uvloop, interleaved runs): prefill loop lag p99 12-19 ms when each engine round's settles came in
-one call, 9.5 ms at 4 (8 runs), at 0.94-0.99x the rooms/s in two A/Bs; 8 gave 8.2 ms where 3 gave
-6.4; 1 cost 20% more CPU per room."""
+one call, about 9 ms at 4 (8 runs), at 0.94-0.99x the rooms/s in two A/Bs; 8 gave 8.2 ms where 3
+gave 6.4; 1 cost 20% more CPU per room."""
 
 
 class Outbox:
     """What a thread hands an event loop, taken on the loop at most ``batch`` items per loop round.
 
-    ``put`` (any thread) wakes the loop once for every put made before the loop drains: the flag
-    is cleared before draining, so an item put meanwhile either is taken now or schedules its own
-    drain; none is stranded. What is left after ``batch`` waits for the loop's next poll, so the
-    work one round starts stays bounded (each item can wake a task, run in the next round).
+    ``put`` (any thread) wakes the loop only when no drain is due: one wake-up serves every put
+    made before the loop drains. The flag is cleared before draining, so an item put meanwhile is
+    taken now or schedules its own drain; none is stranded. What is left after ``batch`` waits for
+    the loop's next poll, so the work one round starts stays bounded (each item can wake a task,
+    which runs in the next round). ``flush`` takes the rest at once (close, after the thread ended).
     """
 
     __slots__ = ("_batch", "_due", "_items", "_loop", "_take")

@@ -158,7 +158,6 @@ async def test_a_forgotten_peers_write_settles_only_once_its_handles_finished_th
     assert agent.live == agent.released  # everything made was released, nothing twice (the fake checks)
 
 
-
 async def test_a_failing_dlist_release_neither_loses_the_settle_nor_ends_the_engine() -> None:
     """Releasing a forgotten peer's dlist runs in the same round that finishes its last write: a
     failure there used to end the thread with that settle in hand (never delivered, never orphaned)."""
@@ -178,6 +177,7 @@ async def test_a_failing_dlist_release_neither_loses_the_settle_nor_ends_the_eng
     assert plane.alive
     assert await plane.call(lambda a: "still serving") == "still serving"
     await plane.close()
+
 
 async def test_closing_with_writes_that_complete_meanwhile_releases_everything_in_order() -> None:
     agent = FakeAgent()
