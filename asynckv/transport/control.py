@@ -52,8 +52,8 @@ message without suspending: a flood would otherwise hold the loop for seconds). 
 wake a waiting task, and the loop runs all of them in its next round, so this bounds how much
 work one round of reads starts. With 1,000 rooms in flight (Q3, uvloop, interleaved runs): 16 -> 4
 took decode's loop lag p99 from 12.1 to 4.4 ms and prefill's from 35 to 21 ms; with settles also
-taken a few per round (``Outbox``), 4 -> 2 took them from 4.3 to 2.8 ms and 9.5 to 7.0 ms
-(10 runs each) for about 4% of the rooms/s at that saturation (medians 1,485 -> 1,425; their
+taken a few per round (``Outbox``), 4 -> 2 took them from 4.5 to 2.6 ms and 9.2 to 6.7 ms
+(medians of 10 runs each) for about 4% of the rooms/s at that saturation (1,485 -> 1,425; their
 spread is wider); 1 had cost 18% (a loop round per message). A serving stack's own work shares
 this loop, so its lag is worth more than the last few percent of a saturated loop's throughput."""
 
