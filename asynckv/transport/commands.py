@@ -72,8 +72,9 @@ DRAIN_BATCH = 4
 """Settled posts the loop takes per round (the rest wait for its next poll). Each can wake a task,
 which the loop runs in its next round, so this bounds a round's work. Q3 (1,000 rooms in flight,
 uvloop, interleaved runs): prefill loop lag p99 12-19 ms when each engine round's settles came in
-one call, about 9 ms at 4 (8 runs), at 0.94-0.99x the rooms/s in two A/Bs; 8 gave 8.2 ms where 3
-gave 6.4; 1 cost 20% more CPU per room."""
+one call, about 9 ms at 4 (8 runs), rooms/s 0.94-0.99x in two A/Bs (within the noise: identical
+configurations differed by 5-24%); 8 gave 8.2 ms where 3 gave 6.4; 1 gave 5.7 ms where 3 gave 7.3
+in another A/B, but took 20% more CPU per room in each of its 3 runs."""
 
 
 class Outbox:

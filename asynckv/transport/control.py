@@ -53,9 +53,9 @@ wake a waiting task, and the loop runs all of them in its next round, so this bo
 work one round of reads starts. With 1,000 rooms in flight (Q3, uvloop, interleaved runs): 16 -> 4
 took decode's loop lag p99 from 12.1 to 4.4 ms and prefill's from 35 to 21 ms; with settles also
 taken a few per round (``Outbox``), 4 -> 2 took them from 4.5 to 2.6 ms and 9.2 to 6.7 ms
-(medians of 10 runs each) for about 4% of the rooms/s at that saturation (1,485 -> 1,425; their
-spread is wider); 1 had cost 18% (a loop round per message). A serving stack's own work shares
-this loop, so its lag is worth more than the last few percent of a saturated loop's throughput."""
+(medians of 10 runs each), rooms/s 0.96x (1,485 -> 1,425): within the noise, as two identical
+configurations interleaved the same way differed by 5-24% in their medians. 1 had cost 18% (a
+loop round per message)."""
 
 
 class RateLimitedLog:
