@@ -1,7 +1,7 @@
 """Prometheus metrics of every KVManager in this process.
 
 Counters and histograms are updated where things happen (a post settles, a room ends, a
-peer is first contacted); gauges (rooms by state, peers and their heartbeats, in-flight
+peer is first contacted, a timer fires late); gauges (rooms by state, peers and their heartbeats, in-flight
 bytes, dropped control messages) are read from the managers' own tables at scrape time,
 so they cost nothing between scrapes. The counters and histograms are this module's own: a
 series is a plain counter list updated on its manager's loop thread with no lock (a room
@@ -135,6 +135,10 @@ ROOMS_FINISHED = Counter("asynckv_rooms_finished", "Rooms that ended, by result 
 FIRST_CONTACT_SECONDS = Histogram("asynckv_first_contact_seconds", "Registration of a new peer plus the warm-up "
                                   "write (prefill) or the registration round trip (decode)",
                                   ["mode", "manager", "peer"], buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+LOOP_LAG_SECONDS = Histogram("asynckv_loop_lag_seconds", "How late the manager's timers fired on its event loop "
+                             "(heartbeat ticks and room deadlines): the lag its scheduler's own callbacks see too "
+                             "(uvloop's timers have 1 ms resolution)", ["mode", "manager"], buckets=_LATENCY_BUCKETS,
+                             registry=REGISTRY)
 PEERS_DEAD = Counter("asynckv_peers_dead", "Peers declared dead (silence, disconnect, restart)",
                      ["mode", "manager", "reason"], registry=REGISTRY)
 
@@ -166,7 +170,7 @@ def forget_manager(mgr: KVManager) -> None:
     _MANAGERS.discard(mgr)
     labels = {"mode": mgr.mode.value, "manager": mgr.name[:8]}
     for metric in (TRANSFER_BYTES, TRANSFERS, TRANSFER_SECONDS, DESCRIPTORS, TRANSFER_FAILURES, ROOM_SECONDS,
-                   ROOMS_FINISHED, FIRST_CONTACT_SECONDS, PEERS_DEAD):
+                   ROOMS_FINISHED, FIRST_CONTACT_SECONDS, PEERS_DEAD, LOOP_LAG_SECONDS):
         _remove_matching(metric, labels)
 
 

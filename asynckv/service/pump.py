@@ -105,6 +105,8 @@ class Pump:
             self._timer = self.loop.call_later(max(0.0, when - self.clock()), self._on_timer)
 
     def _on_timer(self) -> None:
+        if self._timer_at is not None:  # (how late the loop ran it: its lag, sampled at every tick)
+            metrics.child(metrics.LOOP_LAG_SECONDS, *self.labels).observe(max(0.0, self.clock() - self._timer_at))
         self._timer = None
         self._timer_at = None
         self.feed("handle_timer")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import aiohttp
 import pytest
+from prometheus_client import generate_latest
 
 from asynckv import KVPoll
+from asynckv.service.metrics import REGISTRY
 
 from .conftest import make_pair, transfer_room
 
@@ -88,3 +91,27 @@ def test_gone_peers_series_are_kept_for_recent_peers_then_removed() -> None:
         metrics.forget_peer(("prefill", "feedbeef"), peer)
     kept = {values[2] for values in metrics.TRANSFER_BYTES._metrics if values[1] == "feedbeef"}
     assert kept == set(peers[10:])
+
+
+async def test_loop_lag_is_sampled_where_the_managers_timers_fire() -> None:
+    """The loop is held past a heartbeat tick's due time: that tick fires late by at least as much,
+    and ``asynckv_loop_lag_seconds`` records it for the manager whose timer it was."""
+    async with make_pair(ops_port=0) as pair, aiohttp.ClientSession() as http:
+        assert await transfer_room(pair, 3, [1], [2]) == (KVPoll.Success, KVPoll.Success)
+        svc = pair.prefill._svc
+        due = svc._timer_at
+        assert due is not None  # (its peer's heartbeats keep a timer armed)
+        while svc.clock() < due + 0.06:  # hold the loop, as a long callback of the serving stack would
+            time.sleep(0.005)
+        await asyncio.sleep(0.01)  # the tick runs now, 60 ms late
+        async with http.get(f"http://{pair.addr}/metrics") as resp:
+            text = await resp.text()
+        mine = {"mode": "prefill", "manager": pair.prefill.name[:8]}
+        lag_sum = [v for labels, v in samples(text, "asynckv_loop_lag_seconds_sum") if labels == mine]
+        under_50ms = [v for labels, v in samples(text, "asynckv_loop_lag_seconds_bucket")
+                      if labels == {**mine, "le": "0.05"}]
+        count = [v for labels, v in samples(text, "asynckv_loop_lag_seconds_count") if labels == mine]
+        assert lag_sum and lag_sum[0] >= 0.06
+        assert count and under_50ms and under_50ms[0] < count[0]  # (one sample above 50 ms)
+    assert not [labels for labels, _ in samples(generate_latest(REGISTRY).decode(), "asynckv_loop_lag_seconds_count")
+                if labels == mine]  # a closed manager's series are gone
