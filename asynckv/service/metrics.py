@@ -1,13 +1,13 @@
 """Prometheus metrics of every KVManager in this process.
 
-Counters and histograms are updated where things happen (a post settles, a room ends, a
-peer is first contacted, a timer fires late); gauges (rooms by state, peers and their heartbeats, in-flight
-bytes, dropped control messages) are read from the managers' own tables at scrape time,
-so they cost nothing between scrapes. The counters and histograms are this module's own: a
-series is a plain counter list updated on its manager's loop thread with no lock (a room
-updates about ten of them; prometheus_client's took 1-2 us each behind a mutex and a Python
-bucket search, about 5% of a busy prefill loop), rendered into metric families at scrape time
-(without prometheus_client's ``_created`` samples).
+Counters and histograms are updated where things happen (a post settles, a room ends, a peer
+is first contacted, a timer fires: how late); gauges (rooms by state, peers and their heartbeats,
+in-flight bytes, dropped control messages) are read from the managers' own tables at scrape
+time, so they cost nothing between scrapes. The counters and histograms are this module's
+own: a series is a plain counter list updated on its manager's loop thread with no lock (a
+room updates about ten of them; prometheus_client's took 1-2 us each behind a mutex and a
+Python bucket search, about 5% of a busy prefill loop), rendered into metric families at
+scrape time (without prometheus_client's ``_created`` samples).
 Labels: ``mode`` (prefill/decode), ``manager``
 (the first 8 characters of its agent name), ``peer`` (the peer's agent name prefix) and,
 where it matters, ``kind``, ``result`` and ``reason``. Series of gone peers are kept for the
