@@ -105,11 +105,12 @@ class Pump:
             self._timer = self.loop.call_later(max(0.0, when - self.clock()), self._on_timer)
 
     def _on_timer(self) -> None:
-        if self._timer_at is not None:  # (how late the loop ran it: its lag, sampled at every tick)
-            metrics.child(metrics.LOOP_LAG_SECONDS, *self.labels).observe(max(0.0, self.clock() - self._timer_at))
+        due, now = self._timer_at, self.clock()
         self._timer = None
         self._timer_at = None
-        self.feed("handle_timer")
+        self.feed("handle_timer")  # (first: the timer is armed again whatever the metrics do)
+        if due is not None:  # how late the loop ran it: its lag, sampled at every tick
+            metrics.child(metrics.LOOP_LAG_SECONDS, *self.labels).observe(max(0.0, now - due))
 
     # -- tasks -------------------------------------------------------------------------------
 
