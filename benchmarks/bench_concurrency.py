@@ -16,52 +16,36 @@ import json
 import pathlib
 import subprocess
 import sys
-import time
 
 import numpy as np
 
-from asynckv.demo import DemoSpec
+from asynckv.demo import DemoSpec, LagProbe
 
 from ._common import write_result
 from ._pairs import decode_against_prefill_process, receive_plan
 
 
 async def _run(rooms: int, inflight: int) -> dict[str, float]:
-    lags: list[tuple[float, float]] = []
-    stop = False
-
-    async def ticker() -> None:
-        while not stop:
-            t = time.perf_counter()
-            await asyncio.sleep(0.001)
-            lags.append((t, time.perf_counter() - t - 0.001))
-
     spec = DemoSpec(layers=1, kv_heads=8, head_dim=128, page_size=16, requests=rooms, min_pages=4, max_pages=4,
                     chunk_pages=4, inflight=inflight, fill=False, seed=7, report_loop_lag=True)
     printed: list[str] = []
     async with decode_against_prefill_process(spec, printed) as (d, spec, pool):
-        tick = asyncio.create_task(ticker())
-        t0 = time.perf_counter()
-        cpu0 = (time.thread_time(), time.process_time())
+        probe = LagProbe()  # (the prefill process runs the same probe: both sides measured alike)
         latencies, elapsed = await receive_plan(d, spec, lambda k: np.arange(4) + 4 * k)
-        loop_cpu, process_cpu = time.thread_time() - cpu0[0], time.process_time() - cpu0[1]
-        stop = True
-        await tick
+        decode_lag = probe.stop()
     prefill_lag = next(ev for ev in (json.loads(line) for line in printed if line.startswith("{"))
                        if ev.get("event") == "loop_lag")
     lat = np.asarray(latencies) * 1e3
-    all_lags = np.asarray([lag for _, lag in lags]) * 1e3
-    steady = np.asarray([lag for t, lag in lags if t - t0 > elapsed * 0.3]) * 1e3
     return {"rooms": rooms, "inflight": inflight, "rooms_per_s": rooms / elapsed,
             "gbps": rooms * 4 * pool.page_bytes / elapsed / 1e9, "latency_p50_ms": float(np.percentile(lat, 50)),
             "latency_p99_ms": float(np.percentile(lat, 99)),
-            "loop_lag_p99_ms": float(np.percentile(all_lags, 99)), "loop_lag_max_ms": float(all_lags.max()),
-            "steady_loop_lag_p99_ms": float(np.percentile(steady, 99)) if len(steady) else float("nan"),
+            "loop_lag_p99_ms": decode_lag["p99_ms"], "loop_lag_max_ms": decode_lag["max_ms"],
+            "steady_loop_lag_p99_ms": decode_lag["steady_p99_ms"],
             "prefill_loop_lag_p99_ms": prefill_lag["p99_ms"], "prefill_loop_lag_max_ms": prefill_lag["max_ms"],
             "prefill_steady_loop_lag_p99_ms": prefill_lag["steady_p99_ms"],
             # CPU per room: the loop thread's (what caps rooms/s on one loop) and the process's.
-            "decode_loop_cpu_ms_per_room": loop_cpu / rooms * 1e3,
-            "decode_process_cpu_ms_per_room": process_cpu / rooms * 1e3,
+            "decode_loop_cpu_ms_per_room": decode_lag["loop_cpu_s"] / rooms * 1e3,
+            "decode_process_cpu_ms_per_room": decode_lag["process_cpu_s"] / rooms * 1e3,
             "prefill_loop_cpu_ms_per_room": prefill_lag["loop_cpu_s"] / rooms * 1e3,
             "prefill_process_cpu_ms_per_room": prefill_lag["process_cpu_s"] / rooms * 1e3}
 
