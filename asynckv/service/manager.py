@@ -121,7 +121,7 @@ class KVManager:
 
     @property
     def healthy(self) -> bool:
-        """Reader task and data-plane thread are alive, and the manager is open."""
+        """The control reader and the data-plane thread are alive, and the manager is open."""
         return (self._started and not self._closed and self._svc is not None and self._data is not None
                 and self._data.alive and self._control is not None and self._control.reader_alive)
 

@@ -1,0 +1,176 @@
+"""The control channel's reader, a callback on ZMQ's fd: every message is handled once and in
+order, at most ``READ_BATCH`` (twice that when a new message comes mid-round) per loop round, a
+message that comes after the queue ran dry is still read (ZMQ's fd only signals changes), and
+nothing is read once the reader is stopped or the channel closed. Real ZMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import zmq
+
+from asynckv.proto.messages import Ping, encode
+from asynckv.transport.control import READ_BATCH, ControlChannel
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Escaping(BaseException):
+    """Not an ``Exception``: what the reader's own boundary does not catch."""
+
+
+class Rounds:
+    """Counts event-loop rounds: a callback that schedules itself again every round."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._handle: asyncio.Handle | None = None
+
+    def start(self) -> None:
+        self.n += 1
+        self._handle = asyncio.get_running_loop().call_soon(self.start)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+
+
+@dataclasses.dataclass
+class Setup:
+    chan: ControlChannel
+    got: list[tuple[int, int]]
+    """(seq, loop round) per message handled."""
+    rounds: Rounds
+    push: zmq.Socket[bytes]
+    """A plain PUSH socket connected to the channel."""
+
+    def send(self, seq: int) -> None:
+        self.push.send_multipart(ping(seq))
+
+    def seqs(self) -> list[int]:
+        return [seq for seq, _ in self.got]
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[Setup]:
+    rounds = Rounds()
+    got: list[tuple[int, int]] = []
+    chan = ControlChannel("127.0.0.1", lambda msg: got.append((msg.seq, rounds.n)))
+    await chan.start()
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(chan.endpoint)
+    try:
+        yield Setup(chan, got, rounds, push)
+    finally:
+        rounds.stop()
+        push.close()
+        ctx.term()
+        await chan.close(flush_s=0.1)
+
+
+def ping(seq: int) -> list[bytes]:
+    return encode(Ping("p" * 8, "tcp://127.0.0.1:1", 1, seq))
+
+
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+async def test_a_burst_is_read_in_order_a_batch_per_round(setup: Setup) -> None:
+    setup.rounds.start()
+    for seq in range(200):
+        setup.send(seq)
+    time.sleep(0.05)  # (the loop held: the burst queues up at the reader, as under load)
+    await until(lambda: len(setup.got) == 200, "200 messages")
+    assert setup.seqs() == list(range(200))
+    assert setup.chan.received == 200 and sum(setup.chan.dropped.values()) == 0
+    per_round = collections.Counter(r for _, r in setup.got)
+    assert max(per_round.values()) <= 2 * READ_BATCH, per_round
+    assert len(per_round) >= 200 // (2 * READ_BATCH)
+
+
+async def test_a_message_after_the_queue_ran_dry_is_read(setup: Setup) -> None:
+    def handled(n: int) -> Callable[[], bool]:
+        return lambda: len(setup.got) == n
+
+    for seq in range(100):  # one at a time: each one finds the reader idle, its queue empty
+        setup.send(seq)
+        await until(handled(seq + 1), f"message {seq}")
+        if seq % 10 == 9:  # and two at once
+            setup.send(1000 + seq)
+            setup.send(2000 + seq)
+            await until(handled(seq + 3), f"the pair after {seq}")
+            del setup.got[-2:]
+    assert setup.seqs() == list(range(100))
+
+
+async def test_nothing_is_read_once_the_reader_stopped(setup: Setup) -> None:
+    setup.send(1)
+    await until(lambda: len(setup.got) == 1, "the first message")
+    setup.chan.stop_reader()
+    assert not setup.chan.reader_alive
+    for seq in range(2, 12):
+        setup.send(seq)
+    time.sleep(0.05)  # (what was sent is at the reader's socket by now)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert setup.seqs() == [1] and setup.chan.received == 1
+
+
+async def test_close_with_a_turn_due_reads_nothing_more(setup: Setup) -> None:
+    for seq in range(50):
+        setup.send(seq)
+    time.sleep(0.05)
+    for _ in range(10):  # until a first batch is read (the fd's callback may come after this task's turn)
+        if setup.got:
+            break
+        await asyncio.sleep(0)
+    read = len(setup.got)
+    assert 0 < read <= 2 * READ_BATCH  # (and the reader's next turn is due)
+    await setup.chan.close(flush_s=0.1)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(setup.got) == read and not setup.chan.reader_alive
+
+
+async def test_the_reader_survives_a_failing_receive_a_bug_and_an_escaping_exception(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    real_recv, real_handle = ControlChannel._recv_now, ControlChannel._handle
+    recv_failures = [zmq.ZMQError(zmq.EFAULT, "injected")]  # (a live socket cannot be made to raise one)
+    handle_failures: dict[int, BaseException] = {1: RuntimeError("a bug"), 2: Escaping()}
+
+    def flaky_recv(self: ControlChannel, sync: zmq.Socket[bytes]) -> tuple[list[bytes], str | None]:
+        if recv_failures:
+            raise recv_failures.pop(0)
+        return real_recv(self, sync)
+
+    def flaky_handle(self: ControlChannel, frames: list[bytes], origin: str | None = None) -> None:
+        # After a receive, when ZMQ's fd no longer signals what is still queued: a bug past the
+        # boundary, then what a signal handler raises (pytest-timeout's Failed is a BaseException).
+        failure = handle_failures.pop(int(json.loads(frames[1])["seq"]), None)
+        if failure is not None:
+            raise failure
+        real_handle(self, frames, origin)
+
+    monkeypatch.setattr(ControlChannel, "_recv_now", flaky_recv)
+    monkeypatch.setattr(ControlChannel, "_handle", flaky_handle)
+    with caplog.at_level(logging.WARNING, logger="asynckv.control"):  # (a simulator test may quiet "asynckv")
+        for seq in range(7):
+            setup.send(seq)
+        await until(lambda: len(setup.got) == 5, "the messages after the failures")
+    assert setup.seqs() == [0, 3, 4, 5, 6] and setup.chan.received == 7 and setup.chan.reader_alive
+    assert not recv_failures and not handle_failures
+    assert "recv failed" in caplog.text and "unexpected error" in caplog.text
