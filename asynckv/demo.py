@@ -9,6 +9,7 @@ if every byte matched.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -90,15 +91,16 @@ class _Slots:
         pages = np.arange(num_pages)
         if shuffle_seed is not None:
             np.random.default_rng(shuffle_seed).shuffle(pages)
-        self.pages: list[int] = pages.tolist()
+        self.pages: collections.deque[int] = collections.deque(pages.tolist())
+        """Free pages, oldest freed first (a list sliced per request cost O(pool) per room)."""
         self.rows = list(range(rows))
 
     def take(self, n: int) -> tuple[np.ndarray, int]:
-        taken, self.pages = self.pages[:n], self.pages[n:]
+        taken = [self.pages.popleft() for _ in range(n)]
         return np.asarray(taken, dtype=np.int64), self.rows.pop()
 
     def give(self, pages: np.ndarray, row: int) -> None:
-        self.pages.extend(int(p) for p in pages)
+        self.pages.extend(pages.tolist())
         self.rows.append(row)
 
 
