@@ -183,6 +183,8 @@ class ControlChannel:
         more = True  # (until ZMQ says its queue is empty: the next message then signals the fd)
         try:
             for _ in range(READ_BATCH):
+                if not self._reading:  # (a handler stopped it)
+                    return
                 frames, origin = self._recv_now(sync)
                 self.received += 1
                 self._handle(frames, origin)
@@ -207,7 +209,8 @@ class ControlChannel:
             self._read()
 
     def _recv_now(self, sync: zmq.Socket[bytes]) -> tuple[list[bytes], str | None]:
-        """``_recv`` of a message already queued; raises ``zmq.Again`` when none is."""
+        """A queued message, and its TCP peer address in protected mode (only ZMQ frame objects carry
+        it); raises ``zmq.Again`` when none is queued."""
         if not self._loopback_only:
             return sync.recv_multipart(zmq.NOBLOCK, copy=True), None
         parts = sync.recv_multipart(zmq.NOBLOCK, copy=False)

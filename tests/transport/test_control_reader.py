@@ -174,3 +174,32 @@ async def test_the_reader_survives_a_failing_receive_a_bug_and_an_escaping_excep
     assert setup.seqs() == [0, 3, 4, 5, 6] and setup.chan.received == 7 and setup.chan.reader_alive
     assert not recv_failures and not handle_failures
     assert "recv failed" in caplog.text and "unexpected error" in caplog.text
+
+
+@pytest.mark.parametrize("stop_at", [0, 1, 2, 3])  # (first or second of a turn's batch, whichever way they fall)
+async def test_a_handler_that_stops_the_reader_gets_no_further_message(stop_at: int) -> None:
+    got: list[int] = []
+
+    def on_message(msg: Ping) -> None:
+        got.append(msg.seq)
+        if msg.seq == stop_at:
+            chan.stop_reader()
+
+    chan = ControlChannel("127.0.0.1", on_message)
+    await chan.start()
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(chan.endpoint)
+    try:
+        for seq in range(10):
+            push.send_multipart(ping(seq))
+        time.sleep(0.05)  # (all ten queue up at the reader)
+        await until(lambda: bool(got) and got[-1] >= stop_at, f"message {stop_at}")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert got == list(range(stop_at + 1)) and chan.received == stop_at + 1 and not chan.reader_alive
+    finally:
+        push.close()
+        ctx.term()
+        await chan.close(flush_s=0.1)
