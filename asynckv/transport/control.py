@@ -8,8 +8,9 @@ This module owns the ZMQ context and every socket. Two promises:
 - **nothing silently lost on close**: ``close`` waits (bounded) until each endpoint's
   backlog is handed to ZMQ, then lets ZMQ linger so queued frames still reach connected peers.
 
-The reader never dies: every message is decoded and handled inside its own error
-boundary; a bad one is counted, logged (rate limited) and dropped.
+The reader never dies of a message: every message is decoded and handled inside its own error
+boundary; a bad one is counted, logged (rate limited) and dropped. It stops only when told to, or
+when its socket is gone (ZMQ's ETERM or ENOTSOCK), and ``reader_alive`` (``/health``) then says so.
 
 In protected mode (no token, no opt-out: ``Config.protected``) a message whose TCP peer is not
 on loopback is dropped unread (``dropped["not_loopback"]``); a registration from such a peer is
@@ -120,6 +121,9 @@ class ControlChannel:
         self._reply_refill = time.monotonic()
         self._sync: zmq.Socket[bytes] | None = None
         """The PULL socket without the asyncio wrapper: the reader reads it directly."""
+        self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
+        """The loop that watches the socket's fd, and the fd (kept: reading it again can fail once
+        the context is gone)."""
         self._reading = False
         self._resume: asyncio.Handle | None = None
         """The reader's next turn, when it stopped with messages left (ZMQ's fd would not say so)."""
@@ -135,10 +139,12 @@ class ControlChannel:
         return self._reading
 
     def stop_reader(self) -> None:
-        """Stop reading (tests simulate a dead reader with it; ``/health`` then fails)."""
-        if self._reading and self._sync is not None:
-            self._reading = False
-            asyncio.get_running_loop().remove_reader(self._sync.FD)
+        """Stop reading (tests simulate a dead reader with it; ``/health`` then fails). Call it on the
+        channel's loop."""
+        if self._watch is not None:
+            loop, fd = self._watch
+            loop.remove_reader(fd)
+        self._reading = False  # (only now: a reader stopped halfway would leave the loop spinning on the fd)
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
@@ -160,6 +166,7 @@ class ControlChannel:
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(pull.underlying)
         self._sync = sync
         loop = asyncio.get_running_loop()
+        self._watch = (loop, sync.FD)
         loop.add_reader(sync.FD, self._on_readable)
         self._reading = True
         self._resume = loop.call_soon(self._read)  # (whatever came before the fd was watched)
@@ -181,6 +188,7 @@ class ControlChannel:
             return
         loop = asyncio.get_running_loop()
         more = True  # (until ZMQ says its queue is empty: the next message then signals the fd)
+        retry = False
         try:
             for _ in range(READ_BATCH):
                 if not self._reading:  # (a handler stopped it)
@@ -192,20 +200,28 @@ class ControlChannel:
             more = False
         except zmq.ZMQError as exc:
             more = False
-            if self._reading:
+            if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):  # the socket is gone: the reader is dead (health says so)
+                if self._reading:
+                    log.error("control reader: stopped, its socket is gone: %s", exc)
+                self.stop_reader()
+            elif self._reading:
+                retry = True
                 self._rl.warning("recv", "control reader: recv failed: %s", exc)
-                loop.remove_reader(sync.FD)  # (unread, the fd stays readable: the loop would spin on it)
-                self._resume = loop.call_later(0.01, self._rewatch)
         except Exception:  # (``_handle`` has its own boundary: this would be a bug here; keep reading)
             log.exception("control reader: unexpected error")
         finally:  # whatever escapes (a signal handler's exception, say), the reader is never left stalled
-            if more and self._reading and self._resume is None:
-                self._resume = loop.call_soon(self._read)  # let timers and other callbacks run between batches
+            if self._reading and self._resume is None and self._watch is not None:
+                if retry:  # unread, the fd stays readable: the loop would spin on it, so unwatch it a while
+                    self._resume = loop.call_later(0.01, self._rewatch)
+                    loop.remove_reader(self._watch[1])
+                elif more:
+                    self._resume = loop.call_soon(self._read)  # let timers and other callbacks run first
 
     def _rewatch(self) -> None:
         self._resume = None
-        if self._reading and self._sync is not None:
-            asyncio.get_running_loop().add_reader(self._sync.FD, self._on_readable)
+        if self._reading and self._watch is not None:
+            loop, fd = self._watch
+            loop.add_reader(fd, self._on_readable)
             self._read()
 
     def _recv_now(self, sync: zmq.Socket[bytes]) -> tuple[list[bytes], str | None]:

@@ -203,3 +203,73 @@ async def test_a_handler_that_stops_the_reader_gets_no_further_message(stop_at: 
         push.close()
         ctx.term()
         await chan.close(flush_s=0.1)
+
+
+async def test_an_escape_while_handling_a_receive_failure_still_schedules_the_retry(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    setup.send(0)
+    await until(lambda: setup.seqs() == [0], "the first message")
+    real_recv, real_warning = ControlChannel._recv_now, setup.chan._rl.warning
+    recv_failures = [zmq.ZMQError(zmq.EFAULT, "injected")]
+    log_failures = [Escaping()]  # (what a signal handler raises, landing while the failure is logged)
+
+    def flaky_recv(self: ControlChannel, sync: zmq.Socket[bytes]) -> tuple[list[bytes], str | None]:
+        frames = real_recv(self, sync)  # (a message taken: ZMQ's fd will not signal the ones behind it)
+        if recv_failures:
+            raise recv_failures.pop(0)
+        return frames
+
+    def flaky_warning(key: str, msg: str, *args: object) -> None:
+        if log_failures:
+            raise log_failures.pop(0)
+        real_warning(key, msg, *args)
+
+    monkeypatch.setattr(ControlChannel, "_recv_now", flaky_recv)
+    monkeypatch.setattr(setup.chan._rl, "warning", flaky_warning)
+    for seq in range(1, 6):
+        setup.send(seq)
+    await until(lambda: len(setup.got) == 5, "the messages behind the failure")
+    assert setup.seqs() == [0, 2, 3, 4, 5] and not recv_failures and not log_failures and setup.chan.reader_alive
+
+
+async def test_a_socket_gone_under_the_reader_stops_it_for_good(setup: Setup, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    real_recv = ControlChannel._recv_now
+    readable = 0
+
+    def gone(self: ControlChannel, sync: zmq.Socket[bytes]) -> tuple[list[bytes], str | None]:
+        real_recv(self, sync)  # (its context terminated by someone else: a fake, the real one hangs close())
+        raise zmq.ZMQError(zmq.ETERM)
+
+    def counting(self: ControlChannel) -> None:
+        nonlocal readable
+        readable += 1
+
+    monkeypatch.setattr(ControlChannel, "_recv_now", gone)
+    with caplog.at_level(logging.ERROR, logger="asynckv.control"):
+        setup.send(0)
+        await until(lambda: not setup.chan.reader_alive, "the reader to stop")
+    assert "its socket is gone" in caplog.text and setup.got == []
+    monkeypatch.setattr(ControlChannel, "_read", counting)  # (the fd is no longer watched: never called)
+    setup.send(1)
+    time.sleep(0.05)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert readable == 0 and setup.got == [] and not setup.chan.reader_alive
+
+
+async def test_stop_reader_off_the_loop_unwatches_the_fd(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+
+    def counting(self: ControlChannel) -> None:
+        nonlocal calls
+        calls += 1
+
+    await asyncio.to_thread(setup.chan.stop_reader)  # (no running loop in that thread)
+    assert not setup.chan.reader_alive
+    monkeypatch.setattr(ControlChannel, "_read", counting)  # (what the fd's callback calls)
+    setup.send(1)
+    time.sleep(0.05)  # (unread, a still-watched fd would be readable every round from now on)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert calls == 0 and setup.got == []
