@@ -94,6 +94,14 @@ class _Peer:
     forgotten: bool = False
 
 
+def _running(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is the loop running in this thread."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 class ControlChannel:
     """Receives control messages on one bound PULL socket and sends to peers' endpoints, in order."""
 
@@ -139,18 +147,29 @@ class ControlChannel:
         return self._reading
 
     def stop_reader(self) -> None:
-        """Stop reading (tests simulate a dead reader with it; ``/health`` then fails). Call it on the
-        channel's loop."""
-        if self._watch is not None:
-            loop, fd = self._watch
-            loop.remove_reader(fd)
+        """Stop reading for good (tests simulate a dead reader with it; ``/health`` then fails). From
+        another thread, the fd is unwatched on the loop, in its next round."""
+        watch = self._watch
+        if watch is not None and not _running(watch[0]):
+            self._reading = False  # (read no more from now on; the loop unwatches the fd next round)
+            try:
+                watch[0].call_soon_threadsafe(self.stop_reader)
+                return
+            except RuntimeError:  # (its loop is closed: nothing watches anything any more)
+                pass
+        if watch is not None:
+            watch[0].remove_reader(watch[1])
+            self._watch = None  # (the fd number goes back to the OS with the socket: never touch it again)
         self._reading = False  # (only now: a reader stopped halfway would leave the loop spinning on the fd)
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
 
     async def start(self) -> str:
-        """Bind the PULL socket on a random port and start the reader; returns the endpoint."""
+        """Bind the PULL socket on a random port and start the reader; returns the endpoint. Once: a
+        channel is not restarted."""
+        if self._ctx is not None or self._closed:
+            raise RuntimeError("control channel already started")
         self._ctx = zmq.asyncio.Context()
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
@@ -201,9 +220,10 @@ class ControlChannel:
         except zmq.ZMQError as exc:
             more = False
             if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):  # the socket is gone: the reader is dead (health says so)
-                if self._reading:
+                was_reading = self._reading
+                self.stop_reader()  # (first: whatever the logging raises, the reader is stopped)
+                if was_reading:
                     log.error("control reader: stopped, its socket is gone: %s", exc)
-                self.stop_reader()
             elif self._reading:
                 retry = True
                 self._rl.warning("recv", "control reader: recv failed: %s", exc)

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from asynckv.proto.messages import Ping, encode
+from asynckv.transport import control
 from asynckv.transport.control import READ_BATCH, ControlChannel
 
 pytestmark = pytest.mark.timeout(60)
@@ -273,3 +274,44 @@ async def test_stop_reader_off_the_loop_unwatches_the_fd(setup: Setup, monkeypat
     for _ in range(50):
         await asyncio.sleep(0)
     assert calls == 0 and setup.got == []
+
+
+async def test_an_escape_while_logging_a_gone_socket_still_stops_the_reader(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    def gone(self: ControlChannel, sync: zmq.Socket[bytes]) -> tuple[list[bytes], str | None]:
+        raise zmq.ZMQError(zmq.ETERM)
+
+    def escaping(*args: object, **kwargs: object) -> None:
+        raise Escaping()
+
+    monkeypatch.setattr(ControlChannel, "_recv_now", gone)
+    monkeypatch.setattr(control.log, "error", escaping)
+    setup.send(0)
+    await until(lambda: not setup.chan.reader_alive, "the reader to stop")
+
+
+async def test_a_closed_channel_never_touches_the_fd_number_another_channel_got() -> None:
+    first = ControlChannel("127.0.0.1", lambda msg: None)
+    await first.start()
+    await first.close(flush_s=0.1)
+    got: list[int] = []
+    second = ControlChannel("127.0.0.1", lambda msg: got.append(msg.seq))
+    await second.start()  # (it may well get the fd number the first one's socket had)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(second.endpoint)
+    try:
+        first.stop_reader()
+        await first.close(flush_s=0.1)
+        push.send_multipart(ping(7))
+        await until(lambda: got == [7], "the second channel's message")
+        assert second.reader_alive and not first.reader_alive
+        with pytest.raises(RuntimeError, match="already started"):
+            await first.start()  # (a channel is started once)
+        with pytest.raises(RuntimeError, match="already started"):
+            await second.start()
+    finally:
+        push.close()
+        ctx.term()
+        await second.close(flush_s=0.1)
