@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -59,23 +60,32 @@ class Setup:
         return [seq for seq, _ in self.got]
 
 
-@pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
-    rounds = Rounds()
-    got: list[tuple[int, int]] = []
-    chan = ControlChannel("127.0.0.1", lambda msg: got.append((msg.seq, rounds.n)))
+@contextlib.asynccontextmanager
+async def started(on_message: Callable[[Ping], None]) -> AsyncIterator[tuple[ControlChannel, zmq.Socket[bytes]]]:
+    """A started channel and a plain PUSH socket connected to it; both closed after."""
+    chan = ControlChannel("127.0.0.1", on_message)
     await chan.start()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(chan.endpoint)
     try:
-        yield Setup(chan, got, rounds, push)
+        yield chan, push
     finally:
-        rounds.stop()
         push.close()
         ctx.term()
         await chan.close(flush_s=0.1)
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[Setup]:
+    rounds = Rounds()
+    got: list[tuple[int, int]] = []
+    async with started(lambda msg: got.append((msg.seq, rounds.n))) as (chan, push):
+        try:
+            yield Setup(chan, got, rounds, push)
+        finally:
+            rounds.stop()
 
 
 def ping(seq: int) -> list[bytes]:
@@ -186,13 +196,7 @@ async def test_a_handler_that_stops_the_reader_gets_no_further_message(stop_at: 
         if msg.seq == stop_at:
             chan.stop_reader()
 
-    chan = ControlChannel("127.0.0.1", on_message)
-    await chan.start()
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(chan.endpoint)
-    try:
+    async with started(on_message) as (chan, push):
         for seq in range(10):
             push.send_multipart(ping(seq))
         time.sleep(0.05)  # (all ten queue up at the reader)
@@ -200,10 +204,6 @@ async def test_a_handler_that_stops_the_reader_gets_no_further_message(stop_at: 
         for _ in range(20):
             await asyncio.sleep(0)
         assert got == list(range(stop_at + 1)) and chan.received == stop_at + 1 and not chan.reader_alive
-    finally:
-        push.close()
-        ctx.term()
-        await chan.close(flush_s=0.1)
 
 
 async def test_an_escape_while_handling_a_receive_failure_still_schedules_the_retry(
@@ -295,13 +295,7 @@ async def test_a_closed_channel_never_touches_the_fd_number_another_channel_got(
     await first.start()
     await first.close(flush_s=0.1)
     got: list[int] = []
-    second = ControlChannel("127.0.0.1", lambda msg: got.append(msg.seq))
-    await second.start()  # (it may well get the fd number the first one's socket had)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(second.endpoint)
-    try:
+    async with started(lambda msg: got.append(msg.seq)) as (second, push):  # (it may get the first's fd number)
         first.stop_reader()
         await first.close(flush_s=0.1)
         push.send_multipart(ping(7))
@@ -311,7 +305,3 @@ async def test_a_closed_channel_never_touches_the_fd_number_another_channel_got(
             await first.start()  # (a channel is started once)
         with pytest.raises(RuntimeError, match="already started"):
             await second.start()
-    finally:
-        push.close()
-        ctx.term()
-        await second.close(flush_s=0.1)
