@@ -1,7 +1,10 @@
 """The control channel's reader, a callback on ZMQ's fd: every message is handled once and in
 order, at most ``READ_BATCH`` (twice that when a new message comes mid-round) per loop round, a
 message that comes after the queue ran dry is still read (ZMQ's fd only signals changes), and
-nothing is read once the reader is stopped or the channel closed. Real ZMQ sockets on loopback."""
+nothing is read once the reader is stopped or the channel closed. It survives a failing receive,
+a bug and a ``BaseException`` escaping at any step; it stops for good when its socket is gone; a
+stopped or closed channel never touches an fd again. Real ZMQ sockets on loopback; the faults a
+live socket cannot produce are injected."""
 
 from __future__ import annotations
 
