@@ -202,10 +202,10 @@ class ControlChannel:
         step and none of pyzmq's event bookkeeping per wake-up. ZMQ's fd only signals a change, so
         the reader reads until ``zmq.Again`` (which also clears the fd) or schedules its next turn."""
         self._resume = None
-        sync = self._sync
-        if not self._reading or sync is None:
+        sync, watch = self._sync, self._watch
+        if not self._reading or sync is None or watch is None:
             return
-        loop = asyncio.get_running_loop()
+        loop, fd = watch
         more = True  # (until ZMQ says its queue is empty: the next message then signals the fd)
         retry = False
         try:
@@ -230,10 +230,10 @@ class ControlChannel:
         except Exception:  # (``_handle`` has its own boundary: this would be a bug here; keep reading)
             log.exception("control reader: unexpected error")
         finally:  # whatever escapes (a signal handler's exception, say), the reader is never left stalled
-            if self._reading and self._resume is None and self._watch is not None:
+            if self._reading and self._resume is None:
                 if retry:  # unread, the fd stays readable: the loop would spin on it, so unwatch it a while
                     self._resume = loop.call_later(0.01, self._rewatch)
-                    loop.remove_reader(self._watch[1])
+                    loop.remove_reader(fd)
                 elif more:
                     self._resume = loop.call_soon(self._read)  # let timers and other callbacks run first
 
