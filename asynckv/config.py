@@ -63,6 +63,11 @@ class Config:
     pages, so they go out as one descriptor per page instead of one per token (0: off). Allocated
     with the rank (address space; pages become resident as they are used) and registered with
     NIXL; a write finding no room in it is sent per token."""
+    build_threads: int = 2
+    """Prefill: worker threads of the rank's own that build large writes' descriptors and gather head
+    slices into the staging area (never the loop's default executor, which the application shares).
+    Gathers are memory-bound: on a 2-core VM, TP1 -> TP2 moved 2.0 GB/s with 2, 1.8 with 1 and 1.4
+    on the default executor's 6 threads, whose runs fell to 0.85 GB/s (benchmarks/bench_hetero_tp.py)."""
     max_descs_per_xfer: int = 16384
     """Larger writes are split into several NIXL handles, posted one after another."""
     xfer_handle_bytes: int = 64 * 2**20
@@ -151,7 +156,7 @@ class Config:
                 raise InvalidArgument(f"config {f.name} must be > 0, got {value!r}")
         for name in ("register_attempts", "max_descs_per_xfer", "xfer_handle_bytes", "offload_min_descs",
                      "max_rooms", "max_early_infos", "heartbeat_max_failures", "max_peers", "max_inflight_bytes",
-                     "max_early_bytes", "max_peer_dlist_rows", "max_connecting_peers", "write_lanes"):
+                     "max_early_bytes", "max_peer_dlist_rows", "max_connecting_peers", "write_lanes", "build_threads"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"config {name} must be >= 1, got {getattr(self, name)!r}")
         if self.staging_bytes < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ class PrefillService(Pump):
         self._posted: dict[int, tuple[str, str, int, float, bool]] = {}
         """post id -> (peer, kind, bytes, monotonic time handed to the data plane, carries the aux row),
         for metrics."""
+        self._build_pool = concurrent.futures.ThreadPoolExecutor(config.build_threads, "asynckv-build")
+        """Where large writes are built (descriptor math, staging gathers): at most ``build_threads`` at once."""
         self._connect_slots = asyncio.Semaphore(config.max_connecting_peers)
         """Registrations that build their destination rows and connect at once; the rest wait, in order."""
         data.on_settled = self._on_settled
@@ -79,8 +82,8 @@ class PrefillService(Pump):
         self.spawn(self._build_off_loop(a), "asynckv-build")
 
     async def _build_off_loop(self, a: act.Post) -> None:
-        building = asyncio.ensure_future(asyncio.to_thread(self.builder.build, a))
-        try:
+        try:  # (a pool already shut down, the service closing, refuses the build: it settles failed)
+            building = self.loop.run_in_executor(self._build_pool, self.builder.build, a)
             write: Write | None = await asyncio.shield(building)
             error: BaseException | None = None
         except asyncio.CancelledError:  # (close) a thread cannot be stopped: wait until it no longer
@@ -134,6 +137,10 @@ class PrefillService(Pump):
 
     def _on_lease(self, a: act.SetLease) -> None:
         self.data.set_lease(a.peer, a.until)
+
+    async def close(self, timeout_s: float) -> None:
+        await super().close(timeout_s)
+        self._build_pool.shutdown(wait=False)  # (every build settled: its task awaited it)
 
     # -- destinations ----------------------------------------------------------------------
 

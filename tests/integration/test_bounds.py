@@ -294,3 +294,38 @@ async def test_a_1000_page_head_slice_chunk_is_built_off_the_loop(staging_bytes:
             assert all(descs <= 1000 * 8 for _, descs, _ in seen)
         else:  # merged; built as pages x 8 entries x 16 tokens
             assert all(descs >= 1000 * 8 for _, descs, _ in seen)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_large_builds_run_on_the_ranks_own_pool_at_most_build_threads_at_once(
+        monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Off-loop builds (staging gathers are memory-bound) never spread over the loop's default
+    executor, which the application shares: each build waits until ``threads`` of them run, so a
+    pool allowing more would show more."""
+    from asynckv.service.writes import WriteBuilder
+
+    real, lock, running, seen = WriteBuilder.build, threading.Lock(), [0], []
+    enough = threading.Event()
+
+    def build(self: WriteBuilder, post: Any) -> Any:
+        with lock:
+            running[0] += 1
+            seen.append((threading.current_thread().name, running[0]))
+            if running[0] >= threads:
+                enough.set()
+        enough.wait(5)
+        time.sleep(0.05)  # (a third build entering now would be seen)
+        with lock:
+            running[0] -= 1
+        return real(self, post)
+
+    async with make_pair(offload_min_descs=1, build_threads=threads) as pair:
+        monkeypatch.setattr(WriteBuilder, "build", build)
+        results = await asyncio.gather(*(transfer_room(pair, room, [room], [room]) for room in range(1, 7)))
+        assert results == [(KVPoll.Success, KVPoll.Success)] * 6
+        pool = pair.prefill._svc._build_pool  # type: ignore[union-attr]
+    assert len(seen) == 6 and all(name.startswith("asynckv-build") for name, _ in seen), seen
+    assert max(n for _, n in seen) == threads, seen
+    for thread in pool._threads:  # closing the rank ended its build threads
+        thread.join(5)
+        assert not thread.is_alive()
