@@ -1,10 +1,13 @@
-"""Native control protocol v3: message dataclasses and their ZMQ multipart codec.
+"""Native control protocol v4: message dataclasses and their codec.
 
-Every message is a list of frames::
+Every message is a list of parts::
 
-    frame 0   header, 8 bytes: magic b"AKVP", u16 LE protocol version, u16 LE message type
-    frame 1   body: UTF-8 JSON object of the scalar fields (sorted keys, no spaces)
-    frame 2+  binary fields, in the order the message's schema lists them
+    part 0   header, 8 bytes: magic b"AKVP", u16 LE protocol version, u16 LE message type
+    part 1   body: UTF-8 JSON object of the scalar fields (sorted keys, no spaces)
+    part 2+  binary fields, in the order the message's schema lists them
+
+and travels as one ZMQ frame (``pack``: each part, then the authentication trailer if any, as a
+u32 LE length and its bytes); versions 1-3 sent the parts as a multipart message.
 
 Arrays travel as little-endian int32 (``<i4``); opaque bytes (NIXL agent metadata)
 as they are. Decoding validates every field's presence and type and raises
@@ -43,16 +46,19 @@ __all__ = [
     "VersionMismatch",
     "decode",
     "encode",
+    "pack",
+    "unpack",
 ]
 
 MAGIC = b"AKVP"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_ROOM = 2**63 - 1
 MAX_FRAMES = 8
 _HEADER = struct.Struct("<4sHH")
+_LENGTH = struct.Struct("<I")
 
 # Field kinds: "int", "uint" (>= 0), "room", "str", "bool", "ints" (list of uint),
-# and the binary kinds "bytes" and "i32" (frames 2+).
+# and the binary kinds "bytes" and "i32" (parts 2+).
 _BINARY = ("bytes", "i32")
 
 
@@ -280,7 +286,7 @@ _JSON_IN = json.JSONDecoder()
 
 
 def encode(msg: Message) -> list[bytes]:
-    """Encode a message into ZMQ frames."""
+    """Encode a message into its parts: header, JSON body, binary fields (``pack`` makes them one frame)."""
     body: dict[str, Any] = {}
     blobs: list[bytes] = []
     for name, kind in msg.SCHEMA:
@@ -299,8 +305,37 @@ def encode(msg: Message) -> list[bytes]:
     return [head, _JSON_OUT.encode(body).encode(), *blobs]
 
 
+def pack(parts: list[bytes]) -> bytes:
+    """The one ZMQ frame a message travels in (version 4 on): each part (``encode``'s frames, then
+    an authentication trailer, if any) as a little-endian u32 length followed by its bytes. One
+    frame is one send and one receive in pyzmq and ZMQ instead of one per part."""
+    return b"".join([piece for part in parts for piece in (_LENGTH.pack(len(part)), part)])
+
+
+def unpack(frame: bytes) -> list[bytes]:
+    """The parts of a frame built by ``pack``; raises ``RemoteProtocolError`` on anything off (at
+    most ``MAX_FRAMES`` + 1 parts: a message and its authentication trailer)."""
+    parts: list[bytes] = []
+    pos, end = 0, len(frame)
+    while pos < end:
+        if len(parts) > MAX_FRAMES:
+            raise RemoteProtocolError(f"more than {MAX_FRAMES + 1} parts in one frame")
+        if end - pos < _LENGTH.size:
+            raise RemoteProtocolError(f"frame of {end} bytes is not a packed message (part {len(parts)} at {pos})")
+        (length,) = _LENGTH.unpack_from(frame, pos)
+        pos += _LENGTH.size
+        if length > end - pos:
+            raise RemoteProtocolError(f"part {len(parts)} of {length} bytes runs past the frame ({end} bytes)")
+        parts.append(frame[pos:pos + length])
+        pos += length
+    return parts
+
+
 def decode(frames: list[bytes]) -> Message:
-    """Decode ZMQ frames into a message; raises ``RemoteProtocolError`` on anything off."""
+    """Decode a message from its parts, or from the one frame ``pack`` made of them; raises
+    ``RemoteProtocolError`` on anything off."""
+    if len(frames) == 1:
+        frames = unpack(frames[0])
     if not 2 <= len(frames) <= MAX_FRAMES:
         raise RemoteProtocolError(f"expected 2..{MAX_FRAMES} frames, got {len(frames)}")
     head = bytes(frames[0])

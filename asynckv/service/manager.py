@@ -183,7 +183,7 @@ class KVManager:
         codec = (decode_frames, encode_sglang) if self.sglang else (decode_message, encode_message)
         control = self._control = ControlChannel(cfg.host, self._on_message, self._on_version_mismatch,
                                                  cfg.send_timeout_s, auth, loopback_only=cfg.protected,
-                                                 on_refused=self._on_refused, codec=codec)
+                                                 on_refused=self._on_refused, codec=codec, one_frame=not self.sglang)
         endpoint = await control.start()
         if prefill:
             core = (SglangPrefillCore if self.sglang else PrefillCore)(self.name, endpoint, self.kv_args, cfg)

@@ -33,13 +33,16 @@ import zmq.asyncio
 
 from ..errors import RemoteProtocolError
 from ..proto.auth import PROTECTED_MODE_REASON, Authenticator, AuthError, is_loopback
-from ..proto.messages import Message, VersionMismatch, decode, encode
+from ..proto.messages import Message, VersionMismatch, decode, encode, pack, unpack
+from .ratelimit import RateLimitedLog
 
 __all__ = ["ControlChannel", "RateLimitedLog"]
 
 log = logging.getLogger("asynckv.control")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 129 * 1024 * 1024
+"""ZMQ refuses (and disconnects the sender of) a larger frame: a message is one frame, and the largest
+a peer may send is a destination with two 64 MiB page arrays (messages.py caps each part by type)."""
 LINGER_MS = 1000
 """How long ZMQ keeps trying to deliver queued frames after a socket is closed."""
 TRANSIENT_SOCKETS = 32
@@ -59,30 +62,6 @@ configurations interleaved the same way differed by 5-24% in their medians. 1 ha
 loop round per message)."""
 
 
-class RateLimitedLog:
-    """Logs at most ``burst`` lines per ``period_s`` per key; counts what it suppressed."""
-
-    def __init__(self, logger: logging.Logger, period_s: float = 10.0, burst: int = 5) -> None:
-        self._log = logger
-        self._period = period_s
-        self._burst = burst
-        self._window: dict[str, tuple[float, int]] = {}
-        self.suppressed = 0
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        start, count = self._window.get(key, (now, 0))
-        if now - start > self._period:
-            start, count = now, 0
-        if count < self._burst:
-            self._log.warning(msg, *args)
-        else:
-            self.suppressed += 1
-        self._window[key] = (start, count + 1)
-        if len(self._window) > 1024:
-            self._window.clear()
-
-
 @dataclasses.dataclass(eq=False)
 class _Peer:
     sock: zmq.asyncio.Socket
@@ -92,6 +71,14 @@ class _Peer:
     backlog: collections.deque[list[bytes]] = dataclasses.field(default_factory=collections.deque)
     drain: asyncio.Task[None] | None = None
     forgotten: bool = False
+
+
+def _send_now(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    """Hand a message to ZMQ without waiting (``zmq.Again`` when its queue is full)."""
+    if len(frames) == 1:
+        sock.send(frames[0], flags=zmq.NOBLOCK, copy=False)
+    else:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
 
 def _running(loop: asyncio.AbstractEventLoop) -> bool:
@@ -109,10 +96,14 @@ class ControlChannel:
                  on_version_mismatch: Callable[[VersionMismatch], None] | None = None,
                  send_timeout_s: float = 5.0, auth: Authenticator | None = None, loopback_only: bool = False,
                  on_refused: Callable[[Message, str], None] | None = None,
-                 codec: tuple[Callable[[list[bytes]], Any], Callable[[Any], list[bytes]]] = (decode, encode)) -> None:
+                 codec: tuple[Callable[[list[bytes]], Any], Callable[[Any], list[bytes]]] = (decode, encode),
+                 one_frame: bool = True) -> None:
         self._host = host
         self._decode, self._encode = codec
         """Frames to a message and back: asynckv's own wire, or another one (SGLang's)."""
+        self._one_frame = one_frame
+        """Send each message as one frame (``messages.pack``: asynckv's wire); else as a multipart
+        message, one frame per part (SGLang's). Either is read."""
         self._on_message = on_message
         self._on_version_mismatch = on_version_mismatch
         self._send_timeout_s = send_timeout_s
@@ -245,12 +236,13 @@ class ControlChannel:
             self._read()
 
     def _recv_now(self, sync: zmq.Socket[bytes]) -> tuple[list[bytes], str | None]:
-        """A queued message, and its TCP peer address in protected mode (only ZMQ frame objects carry
-        it); raises ``zmq.Again`` when none is queued."""
-        if not self._loopback_only:
-            return sync.recv_multipart(zmq.NOBLOCK, copy=True), None
-        parts = sync.recv_multipart(zmq.NOBLOCK, copy=False)
-        return [part.bytes for part in parts], str(parts[0].get("Peer-Address"))
+        """A queued message's frames, and its TCP peer address in protected mode (only ZMQ frame
+        objects carry it); raises ``zmq.Again`` when none is queued."""
+        first = sync.recv(zmq.NOBLOCK, copy=False)
+        frames = [first.bytes]
+        if first.more:  # a multipart message (SGLang's wire; asynckv before version 4): its rest is queued
+            frames += sync.recv_multipart(zmq.NOBLOCK)
+        return frames, str(first.get("Peer-Address")) if self._loopback_only else None
 
     def _handle(self, frames: list[bytes], origin: str | None = None) -> None:
         """Open, decode and hand on one message; ``origin``: its TCP peer address, when it matters."""
@@ -259,6 +251,13 @@ class ControlChannel:
             self._rl.warning("not_loopback", "control: refused message from %s: %s", origin, PROTECTED_MODE_REASON)
             self._refused(frames, origin)
             return
+        if self._one_frame and len(frames) == 1:
+            try:
+                frames = unpack(frames[0])
+            except RemoteProtocolError as exc:
+                self.dropped["malformed"] += 1
+                self._rl.warning("malformed", "control: dropped malformed message: %s", exc)
+                return
         if self._auth is not None:
             try:
                 # Freshness needs a clock shared across hosts: the one wall-clock read (see proto.auth).
@@ -314,13 +313,15 @@ class ControlChannel:
         frames = self._encode(msg)
         if self._auth is not None:
             frames = self._auth.seal(frames, endpoint, time.time_ns())
+        if self._one_frame:
+            frames = [pack(frames)]
         if transient and endpoint not in self._peers:
             self._send_transient(endpoint, type(msg).__name__, frames)
             return
         peer = self._peer(endpoint)
         if not peer.backlog:
             try:
-                peer.sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                _send_now(peer.sync, frames)
                 return
             except zmq.Again:
                 pass
@@ -369,7 +370,7 @@ class ControlChannel:
         while len(self._transient) > TRANSIENT_SOCKETS:
             self._transient.popitem(last=False)[1].close(linger=LINGER_MS)
         try:
-            zmq.Socket.shadow(sock.underlying).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            _send_now(zmq.Socket.shadow(sock.underlying), frames)
         except zmq.ZMQError as exc:
             self._failed(endpoint, what, exc)
 

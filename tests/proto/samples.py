@@ -50,17 +50,3 @@ SAMPLES: dict[str, Message] = {
     "abort": Abort(room=12345678901234, epoch=78, decode_id="0b6f3a52-decode", destination_sent=True,
                    required=2, reason="aborted by decode"),
 }
-
-
-def pack_frames(frames: list[bytes]) -> bytes:
-    """Golden-file format: each frame as a little-endian u32 length, then its bytes."""
-    return b"".join(len(f).to_bytes(4, "little") + f for f in frames)
-
-
-def unpack_frames(blob: bytes) -> list[bytes]:
-    frames, i = [], 0
-    while i < len(blob):
-        n = int.from_bytes(blob[i:i + 4], "little")
-        frames.append(blob[i + 4:i + 4 + n])
-        i += 4 + n
-    return frames

@@ -21,9 +21,11 @@ from asynckv.proto.messages import (
     VersionMismatch,
     decode,
     encode,
+    pack,
+    unpack,
 )
 
-from .samples import SAMPLES, pack_frames, unpack_frames
+from .samples import SAMPLES
 
 DATA = pathlib.Path(__file__).parent.parent / "data"
 
@@ -33,10 +35,10 @@ def test_golden_vectors(name: str) -> None:
     path = DATA / f"{name}.frames"
     frames = encode(SAMPLES[name])
     if os.environ.get("ASYNCKV_REGENERATE_GOLDEN"):
-        path.write_bytes(pack_frames(frames))
-    golden = unpack_frames(path.read_bytes())
-    assert frames == golden, "the wire format changed: bump PROTOCOL_VERSION and update docs/protocol.md"
-    assert decode(golden) == SAMPLES[name]
+        path.write_bytes(pack(frames))
+    wire = path.read_bytes()  # the one ZMQ frame the message travels in
+    assert pack(frames) == wire, "the wire format changed: bump PROTOCOL_VERSION and update docs/protocol.md"
+    assert unpack(wire) == frames and decode([wire]) == decode(frames) == SAMPLES[name]
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -119,5 +121,48 @@ def test_corrupted_byte_only_ever_raises_remote_protocol_error(name: str, pos: i
     frames[i][j] = value
     try:
         decode([bytes(f) for f in frames])
+    except RemoteProtocolError:
+        pass
+
+
+# -- the one-frame envelope (version 4) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("frame, needle", [
+    (b"\x05\x00\x00", "not a packed message"),  # a length cut short
+    (struct.pack("<I", 9) + b"12345678", "runs past the frame"),
+    (b"".join(struct.pack("<I", 1) + b"x" for _ in range(10)), "more than 9 parts"),  # > 8 + a trailer
+    (struct.pack("<I", 2**32 - 1), "runs past the frame"),
+])
+def test_a_broken_envelope_is_refused_with_a_reason(frame: bytes, needle: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=needle):
+        unpack(frame)
+    with pytest.raises(RemoteProtocolError, match=needle):
+        decode([frame])
+
+
+def test_an_envelope_holds_a_message_and_its_trailer_and_empty_parts() -> None:
+    parts = [*encode(SAMPLES["ping"]), b"", b"t" * 70]
+    assert unpack(pack(parts)) == parts and unpack(b"") == []
+    nine = [b"p"] * 9  # a message of 8 parts and an authentication trailer: the most there can be
+    assert unpack(pack(nine)) == nine
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=96))
+def test_a_garbage_frame_only_ever_raises_remote_protocol_error(frame: bytes) -> None:
+    try:
+        decode([frame])
+    except RemoteProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(SAMPLES)), st.integers(0, 400), st.integers(0, 255))
+def test_a_corrupted_wire_frame_only_ever_raises_remote_protocol_error(name: str, pos: int, value: int) -> None:
+    frame = bytearray(pack(encode(SAMPLES[name])))
+    frame[pos % len(frame)] = value
+    try:
+        decode([bytes(frame)])
     except RemoteProtocolError:
         pass

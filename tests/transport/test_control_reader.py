@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import zmq
 
-from asynckv.proto.messages import Ping, encode
+from asynckv.proto.messages import Ping, encode, pack, unpack
 from asynckv.transport import control
 from asynckv.transport.control import READ_BATCH, ControlChannel
 
@@ -54,10 +54,10 @@ class Setup:
     """(seq, loop round) per message handled."""
     rounds: Rounds
     push: zmq.Socket[bytes]
-    """A plain PUSH socket connected to the channel."""
+    """A plain PUSH socket connected to the channel (it sends as a peer does: one frame a message)."""
 
     def send(self, seq: int) -> None:
-        self.push.send_multipart(ping(seq))
+        self.push.send(pack(ping(seq)))
 
     def seqs(self) -> list[int]:
         return [seq for seq, _ in self.got]
@@ -174,7 +174,7 @@ async def test_the_reader_survives_a_failing_receive_a_bug_and_an_escaping_excep
     def flaky_handle(self: ControlChannel, frames: list[bytes], origin: str | None = None) -> None:
         # After a receive, when ZMQ's fd no longer signals what is still queued: a bug past the
         # boundary, then what a signal handler raises (pytest-timeout's Failed is a BaseException).
-        failure = handle_failures.pop(int(json.loads(frames[1])["seq"]), None)
+        failure = handle_failures.pop(int(json.loads(unpack(frames[0])[1])["seq"]), None)
         if failure is not None:
             raise failure
         real_handle(self, frames, origin)
@@ -201,7 +201,7 @@ async def test_a_handler_that_stops_the_reader_gets_no_further_message(stop_at: 
 
     async with started(on_message) as (chan, push):
         for seq in range(10):
-            push.send_multipart(ping(seq))
+            push.send(pack(ping(seq)))
         time.sleep(0.05)  # (all ten queue up at the reader)
         await until(lambda: bool(got) and got[-1] >= stop_at, f"message {stop_at}")
         for _ in range(20):
@@ -301,7 +301,7 @@ async def test_a_closed_channel_never_touches_the_fd_number_another_channel_got(
     async with started(lambda msg: got.append(msg.seq)) as (second, push):  # (it may get the first's fd number)
         first.stop_reader()
         await first.close(flush_s=0.1)
-        push.send_multipart(ping(7))
+        push.send(pack(ping(7)))
         await until(lambda: got == [7], "the second channel's message")
         assert second.reader_alive and not first.reader_alive
         with pytest.raises(RuntimeError, match="already started"):
