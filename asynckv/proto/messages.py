@@ -335,7 +335,7 @@ def decode(frames: list[bytes]) -> Message:
     """Decode a message from its parts, or from the one frame ``pack`` made of them; raises
     ``RemoteProtocolError`` on anything off."""
     if len(frames) == 1:
-        frames = unpack(frames[0])
+        frames = unpack(bytes(frames[0]))
     if not 2 <= len(frames) <= MAX_FRAMES:
         raise RemoteProtocolError(f"expected 2..{MAX_FRAMES} frames, got {len(frames)}")
     head = bytes(frames[0])

@@ -139,8 +139,10 @@ class PrefillService(Pump):
         self.data.set_lease(a.peer, a.until)
 
     async def close(self, timeout_s: float) -> None:
-        await super().close(timeout_s)
-        self._build_pool.shutdown(wait=False)  # (every build settled: its task awaited it)
+        try:
+            await super().close(timeout_s)
+        finally:  # (also when the close is cancelled: a build still running then ends its thread after it)
+            self._build_pool.shutdown(wait=False)
 
     # -- destinations ----------------------------------------------------------------------
 

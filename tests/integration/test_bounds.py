@@ -329,3 +329,29 @@ async def test_large_builds_run_on_the_ranks_own_pool_at_most_build_threads_at_o
     for thread in pool._threads:  # closing the rank ended its build threads
         thread.join(5)
         assert not thread.is_alive()
+
+
+async def test_a_cancelled_close_still_ends_the_build_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asynckv.service.writes import WriteBuilder
+
+    real, entered = WriteBuilder.build, threading.Event()
+
+    def slow_build(self: WriteBuilder, post: Any) -> Any:
+        entered.set()
+        time.sleep(1.0)
+        return real(self, post)
+
+    async with make_pair(offload_min_descs=1) as pair:
+        monkeypatch.setattr(WriteBuilder, "build", slow_build)
+        room = asyncio.ensure_future(transfer_room(pair, 1, [1], [1]))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        pool = pair.prefill._svc._build_pool  # type: ignore[union-attr]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pair.prefill.close(), 0.3)  # cancelled while it waits for the build
+        assert pool._shutdown  # type: ignore[attr-defined]
+        for thread in pool._threads:
+            thread.join(5)  # (the build runs to its end; then the thread goes)
+            assert not thread.is_alive()
+        room.cancel()
+        await asyncio.gather(room, return_exceptions=True)

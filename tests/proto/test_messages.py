@@ -166,3 +166,13 @@ def test_a_corrupted_wire_frame_only_ever_raises_remote_protocol_error(name: str
         decode([bytes(frame)])
     except RemoteProtocolError:
         pass
+
+
+def test_one_frame_decodes_from_any_buffer_a_reader_may_hold() -> None:
+    import zmq
+
+    wire = pack(encode(SAMPLES["status_ok"]))
+    for frame in (wire, bytearray(wire), memoryview(wire), zmq.Frame(wire)):
+        assert decode([frame]) == SAMPLES["status_ok"]  # type: ignore[list-item]
+    with pytest.raises(RemoteProtocolError):
+        decode([zmq.Frame(wire[:-1])])  # type: ignore[list-item]
