@@ -251,14 +251,14 @@ class ControlChannel:
             self._rl.warning("not_loopback", "control: refused message from %s: %s", origin, PROTECTED_MODE_REASON)
             self._refused(frames, origin)
             return
-        if self._one_frame and len(frames) == 1:
-            try:
-                frames = unpack(frames[0])
-            except RemoteProtocolError as exc:
-                self.dropped["malformed"] += 1
-                self._rl.warning("malformed", "control: dropped malformed message: %s", exc)
-                return
         if self._auth is not None:
+            if self._one_frame and len(frames) == 1:  # (the trailer is a part: open needs the parts; the
+                try:                                  # codec's decode takes a packed frame as it is)
+                    frames = unpack(frames[0])
+                except RemoteProtocolError as exc:
+                    self.dropped["malformed"] += 1
+                    self._rl.warning("malformed", "control: dropped malformed message: %s", exc)
+                    return
             try:
                 # Freshness needs a clock shared across hosts: the one wall-clock read (see proto.auth).
                 frames = self._auth.open(frames, self.endpoint, time.time_ns())
