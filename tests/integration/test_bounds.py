@@ -23,6 +23,7 @@ from asynckv import KVPoll
 from asynckv.errors import TransportError
 from asynckv.proto import destinations
 from asynckv.proto.messages import Abort, Message, Register, RegisterResult, Status, TransferInfo, decode, encode
+from asynckv.service.writes import WriteBuilder
 from asynckv.testing import FaultInjector, inject
 
 from .conftest import Pair, make_pair, transfer_room
@@ -302,8 +303,6 @@ async def test_large_builds_run_on_the_ranks_own_pool_at_most_build_threads_at_o
     """Off-loop builds (staging gathers are memory-bound) never spread over the loop's default
     executor, which the application shares: each build waits until ``threads`` of them run, so a
     pool allowing more would show more."""
-    from asynckv.service.writes import WriteBuilder
-
     real, lock, running, seen = WriteBuilder.build, threading.Lock(), [0], []
     enough = threading.Event()
 
@@ -332,8 +331,6 @@ async def test_large_builds_run_on_the_ranks_own_pool_at_most_build_threads_at_o
 
 
 async def test_a_cancelled_close_still_ends_the_build_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asynckv.service.writes import WriteBuilder
-
     real, entered = WriteBuilder.build, threading.Event()
 
     def slow_build(self: WriteBuilder, post: Any) -> Any:
