@@ -10,7 +10,7 @@ import pytest
 from asynckv.errors import RemoteProtocolError
 from asynckv.proto.topology import stub_agent_metadata
 from asynckv.transport.base import MemoryLayout, Write
-from asynckv.transport.lanes import LanedDataPlane
+from asynckv.transport.lanes import SMALL_POST_BYTES, LanedDataPlane
 from asynckv.transport.nixl import NixlDataPlane
 
 from .test_nixl_plane import FakeAgent, prepped, rows, until
@@ -43,28 +43,77 @@ async def test_lanes_are_named_after_the_manager_and_each_registers_and_connects
     await plane.close()
 
 
+def big(n: int = 2) -> Write:
+    """A one-handle write of ``SMALL_POST_BYTES`` (as the plane counts bytes: the fake copies nothing)."""
+    return Write(prepped(n).pieces, n, SMALL_POST_BYTES)
+
+
 async def test_posts_go_to_the_lane_with_fewest_in_flight_and_settle_through_one_callback() -> None:
     a, b = FakeAgent(), FakeAgent()  # handles stay PROC: every post stays in flight
     plane, settled = await laned([a, b])
     for post_id in (1, 2, 3):
-        plane.post(post_id, "peer", prepped(), 30.0)
+        plane.post(post_id, "peer", big(), 30.0)
     await until(lambda: transfers(a) + transfers(b) == 3)
     assert (transfers(a), transfers(b)) == (2, 1)  # 1 -> lane 0, 2 -> lane 1, 3 -> lane 0 (a tie: in turn)
     b.finish = True
     await until(lambda: settled == [(2, None)])
-    plane.post(4, "peer", prepped(), 30.0)  # lane 1 now has none in flight, lane 0 has two
+    plane.post(4, "peer", big(), 30.0)  # lane 1 now has none in flight, lane 0 has two
     await until(lambda: transfers(b) == 2)
     a.finish = True
     await until(lambda: sorted(p for p, _ in settled) == [1, 2, 3, 4])
     assert all(err is None for _, err in settled) and plane.posts_in_flight == 0
+    assert plane._big == [0, 0] and plane._bigs == set()
+    await plane.close()
+
+
+async def test_small_posts_go_whole_to_the_first_lane_with_no_large_post_in_flight() -> None:
+    """Small posts (a 1-page room) stay on lane 0, whatever its queue, so lane 1's thread sleeps; one
+    queued behind a large post would wait for its copy, so it goes to a lane without one; when
+    every lane has one, the least loaded takes it. A small write of several handles is not split."""
+    a, b = FakeAgent(), FakeAgent()  # handles stay PROC until finish
+    plane, settled = await laned([a, b])
+    for post_id in (1, 2, 3):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    plane.post(4, "peer", Write(prepped().pieces * 2, 4, 256), 30.0)  # two handles, small: not split
+    await until(lambda: transfers(a) == 4)  # (each post's first handle)
+    assert transfers(b) == 0 and plane._load == [4, 0]
+    plane.post(5, "peer", big(), 30.0)  # large: the least loaded lane (1)
+    await until(lambda: transfers(b) == 1)
+    plane.post(6, "peer", prepped(), 30.0)  # small: lane 0 still holds no large post
+    await until(lambda: transfers(a) == 5)
+    assert plane._load == [5, 1] and plane._big == [0, 1] and transfers(b) == 1
+    plane.post(7, "peer", prepped(), 30.0)  # small: lane 0 again, however long its queue
+    plane.post(8, "peer", big(), 30.0)  # large: lane 1 (one in flight) over lane 0 (six)
+    await until(lambda: transfers(a) == 6 and transfers(b) == 2)
+    b.finish = True
+    await until(lambda: sorted(p for p, _ in settled) == [5, 8])
+    assert plane._big == [0, 0] and plane._bigs == set()
+    b.finish = False
+    plane.post(9, "peer", big(), 30.0)  # large: lane 1 (none in flight)
+    plane.post(10, "peer", big(), 30.0)  # large: lane 1 (one) over lane 0 (six)
+    await until(lambda: transfers(b) == 4)
+    assert plane._big == [0, 2]
+    a.finish = True  # lane 0 settles its six small posts
+    await until(lambda: len(settled) == 8)
+    a.finish = False
+    plane.post(11, "peer", big(), 30.0)  # large: lane 0 (none in flight)
+    await until(lambda: plane._big == [1, 2] and transfers(a) == 8)
+    plane.post(12, "peer", Write(prepped().pieces * 2, 4, 256), 30.0)  # small, every lane holds a large
+    # post: whole (not split) to the least loaded lane (0)
+    await until(lambda: transfers(a) == 9)
+    assert plane._load == [2, 2] and plane._split == {}
+    a.finish = b.finish = True
+    await until(lambda: len(settled) == 12)
+    assert plane._big == [0, 0] and plane._bigs == set() and plane._owner == {}
+    assert sorted(p for p, _ in settled) == list(range(1, 13)) and all(err is None for _, err in settled)
     await plane.close()
 
 
 async def test_a_cancel_reaches_the_lane_that_holds_the_post_only() -> None:
     a, b = FakeAgent(), FakeAgent()
     plane, settled = await laned([a, b])
-    plane.post(1, "peer", prepped(), 30.0)
-    plane.post(2, "peer", prepped(), 30.0)
+    plane.post(1, "peer", big(), 30.0)
+    plane.post(2, "peer", big(), 30.0)
     await until(lambda: transfers(a) == 1 and transfers(b) == 1)
     plane.cancel([1], RemoteProtocolError("aborted"))
     assert 1 not in plane.lanes[1]._cancelled and 1 in plane.lanes[0]._cancelled
@@ -138,8 +187,8 @@ async def test_a_dead_lane_takes_no_more_posts_and_close_settles_what_it_held() 
     await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
     await plane.connect_peer("peer", stub_agent_metadata("peer"), rows(4), "DRAM")
     plane.set_lease("peer", time.monotonic() + 60)
-    plane.post(1, "peer", prepped(), 30.0)  # lane 0 (stays in flight)
-    plane.post(2, "peer", prepped(), 30.0)  # lane 1 (stays in flight, then its thread dies)
+    plane.post(1, "peer", big(), 30.0)  # lane 0 (stays in flight)
+    plane.post(2, "peer", big(), 30.0)  # lane 1 (stays in flight, then its thread dies)
     await until(lambda: transfers(a) == 1 and transfers(b) == 1)
     kill["now"] = True
     lane1 = plane.lanes[1]
@@ -185,13 +234,13 @@ async def test_a_write_of_several_handles_is_split_over_the_lanes_and_settles_on
     a, b = FakeAgent(), FakeAgent()
     plane, settled = await laned([a, b])
     four = prepped()
-    plane.post(1, "peer", Write(four.pieces * 4, 8, 512), 30.0)
+    plane.post(1, "peer", Write(four.pieces * 4, 8, SMALL_POST_BYTES), 30.0)
     await until(lambda: transfers(a) == 1 and transfers(b) == 1)  # one handle in flight per lane
     a.finish = b.finish = True
     await until(lambda: settled == [(1, None)])
     assert transfers(a) == transfers(b) == 2 and plane.posts_in_flight == 0
     a.finish = b.finish = False
-    plane.post(2, "peer", Write(four.pieces * 4, 8, 512), 30.0)
+    plane.post(2, "peer", Write(four.pieces * 4, 8, SMALL_POST_BYTES), 30.0)
     await until(lambda: transfers(a) == 3 and transfers(b) == 3)
     plane.cancel([2], RemoteProtocolError("aborted"))
     a.finish = b.finish = True
@@ -199,7 +248,7 @@ async def test_a_write_of_several_handles_is_split_over_the_lanes_and_settles_on
     assert settled[1][0] == 2 and isinstance(settled[1][1], RemoteProtocolError)
     assert transfers(a) == transfers(b) == 3  # each lane's second handle never started
     assert plane._owner == {} and plane._split == {} and plane._parts == {} and plane._load == [0, 0]
-    plane.post(3, "peer", Write(four.pieces * 2, 4, 256, notif=b"3_kv_0_1_0"), 30.0)  # (SGLang's wire)
+    plane.post(3, "peer", Write(four.pieces * 2, 4, SMALL_POST_BYTES, notif=b"3_kv_0_1_0"), 30.0)  # (SGLang's)
     await until(lambda: len(settled) == 3)
     assert {transfers(a), transfers(b)} == {5, 3}  # both handles on one lane: not split
     await plane.close()
@@ -212,7 +261,7 @@ async def test_a_split_write_with_one_part_stuck_past_its_deadline_reports_its_h
     a, b = FakeAgent(), FakeAgent()
     plane, settled = await laned([a, b])
     reason = RemoteProtocolError("aborted")  # (the cores cancel a room's posts with one shared reason)
-    plane.post(1, "peer", Write(prepped().pieces * 2, 4, 256), 0.3)
+    plane.post(1, "peer", Write(prepped().pieces * 2, 4, SMALL_POST_BYTES), 0.3)
     await until(lambda: transfers(a) == 1 and transfers(b) == 1)
     plane.post(2, "peer", prepped(), 30.0)  # lane 0, queued behind post 1's part
     plane.cancel([1, 2], reason)
