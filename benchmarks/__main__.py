@@ -15,6 +15,7 @@ import time
 
 from . import (
     bench_concurrency,
+    bench_control,
     bench_first_contact,
     bench_head_slice,
     bench_hetero_tp,
@@ -32,7 +33,7 @@ from .report import render, render_scaling
 
 FULL: dict[str, list[str]] = {"throughput": [], "small": [], "concurrency": [], "kernels": [], "idle": [],
                               "first_contact": [], "head_slice": [], "sglang": [],
-                              "sglang_poll": [], "scaling": [], "hetero_tp": [], "sim": []}
+                              "sglang_poll": [], "scaling": [], "hetero_tp": [], "control": [], "sim": []}
 SMOKE: dict[str, list[str]] = {
     "throughput": ["--sizes-mib", "0.0625", "1", "--reps", "1"],
     "small": ["--pages", "1", "--reps", "5"],
@@ -46,13 +47,14 @@ SMOKE: dict[str, list[str]] = {
     "scaling": ["--rounds", "1", "--lanes", "1", "2", "--pages", "1", "4", "--inflight", "1", "4",
                 "--budget-pages", "16", "--scale", "16"],
     "hetero_tp": ["--rounds", "1", "--layers", "2", "--requests", "4", "--pages", "4", "--inflight", "2"],
+    "control": ["--messages", "60", "--rounds", "1"],
     "sim": ["--seeds", "500", "--procs", "1"],
 }
 MODULES = {"throughput": bench_throughput, "small": bench_small, "concurrency": bench_concurrency,
            "kernels": bench_kernels, "idle": bench_idle, "first_contact": bench_first_contact,
            "head_slice": bench_head_slice, "sglang": bench_sglang,
            "sglang_poll": bench_sglang_poll, "scaling": bench_scaling, "hetero_tp": bench_hetero_tp,
-           "sim": bench_sim}
+           "control": bench_control, "sim": bench_sim}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,16 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                          f"{r['gbps_spread'][1]:.2f}), {r['cpu_s_per_gb']:.2f} CPU s/GB | {equal['case']}: "
                          f"{equal['gbps']:.2f} GB/s, {equal['cpu_s_per_gb']:.2f} CPU s/GB | "
                          f"{r['ratio_vs_equal_tp']:.2f}x | >= 0.8x |")
+    ct = _load(out, "control_transport")
+    if ct:
+        by = {r["transport"]: r for r in ct["rows"]}
+        z, t = by["zmq"], by["tcp"]
+        lines.append(f"| a control message over a plain TCP stream (ping-pong, two processes, uvloop) | round trip "
+                     f"p50 {t['rtt_p50_us']:.0f} us, CPU per round trip {t['cpu_us_per_round_trip_ping']:.0f} / "
+                     f"{t['cpu_us_per_round_trip_pong']:.0f} us | ZMQ PUSH/PULL (the control channel today): "
+                     f"{z['rtt_p50_us']:.0f} us, {z['cpu_us_per_round_trip_ping']:.0f} / "
+                     f"{z['cpu_us_per_round_trip_pong']:.0f} us | {z['rtt_p50_us'] / t['rtt_p50_us']:.1f}x faster, "
+                     f"{z['cpu_us_per_round_trip_ping'] / t['cpu_us_per_round_trip_ping']:.1f}x less CPU | |")
     sc = _load(out, "scaling")
     if sc:
         one = {r["case"]: r["gbps"] for r in sc["lanes"] if r["lanes"] == 1}
