@@ -8,10 +8,12 @@ thread. Measured on the 2-core VM, raw NIXL, 16 requests of 64 buffers x 32 page
 into another process: one agent 3.5-4.1 GB/s scattered and 4.7-5.3 contiguous; two agents on
 two threads 6.3-6.6 and 8.4-9.2 (``benchmarks/bench_scaling.py`` measures it through asynckv).
 
-A post smaller than ``SMALL_POST_BYTES`` (1 MiB) goes whole to the first lane that holds no
-larger post, lane 0 unless a large copy is under way there (a small post would wait for it): its
-copy takes less time than the loop spends on its room, so a second copying thread cannot raise
-the rate; it only wakes and takes the GIL beside the loop. At 1,000 rooms in flight of 256 KiB
+A small post (under ``SMALL_POST_BYTES``, 1 MiB, and ``SMALL_POST_DESCRIPTORS``, 256 descriptors
+at some 4 us each) goes whole to the first live lane holding no large post that has not settled
+yet: lane 0 unless a large copy is under way there (a small post would wait for it); when every
+lane holds one, whole to the least loaded. Its copy (about 0.2 ms) takes less time than the loop
+spends on its room, so a second copying thread cannot raise the rate; it only wakes and takes
+the GIL beside the loop. At 1,000 rooms in flight of 256 KiB
 each (11 interleaved pairs of runs), spreading them over two lanes put the prefill's loop lag p99
 at 10.9-18.1 ms (median 12.5) and keeping them on one at 6.8-14.5 (median 9.1, lower in 10 pairs);
 rooms/s went 1,225 -> 1,276 and the prefill's CPU per room 0.86 -> 0.81 ms (medians).
@@ -38,10 +40,10 @@ from typing import Any
 from .base import U64, MemoryLayout, Notified, Settled, Write
 from .nixl import NixlDataPlane
 
-__all__ = ["SMALL_POST_BYTES", "LanedDataPlane"]
+__all__ = ["SMALL_POST_BYTES", "SMALL_POST_DESCRIPTORS", "LanedDataPlane"]
 
-SMALL_POST_BYTES = 1 << 20
-"""A post smaller than this goes whole to the first lane with no larger post unsettled (lane 0,
+SMALL_POST_BYTES, SMALL_POST_DESCRIPTORS = 1 << 20, 256
+"""A post under both goes whole to the first live lane with no large post unsettled (lane 0,
 mostly): the other lanes' threads stay asleep (see the module docstring)."""
 
 
@@ -57,7 +59,7 @@ class LanedDataPlane:
         """post id -> lane, until it settles (cancels go to that lane only)."""
         self._load = [0] * len(self.lanes)
         self._big = [0] * len(self.lanes)
-        """Unsettled posts of at least ``SMALL_POST_BYTES`` per lane (``_bigs``: their ids)."""
+        """Unsettled large posts (and parts) per lane (``_bigs``: their ids)."""
         self._bigs: set[int] = set()
         self._next = 0
         self._split: dict[int, _Split] = {}
@@ -119,7 +121,7 @@ class LanedDataPlane:
         await asyncio.gather(*(lane.warm_up(peer, dst, timeout_s) for lane in self.lanes))
 
     def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
-        big = write.nbytes >= SMALL_POST_BYTES
+        big = write.nbytes >= SMALL_POST_BYTES or write.descriptors >= SMALL_POST_DESCRIPTORS
         if not big:  # (a small post copies in less time than the loop spends on its room: one lane is enough)
             for lane in range(len(self.lanes)):
                 if self._big[lane] == 0 and self.lanes[lane].alive:

@@ -8,6 +8,7 @@ facts behind the design (one owning thread, no progress thread, deadlines, parke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -86,7 +87,7 @@ class NixlDataPlane(NixlEngine):
         if self._closed or self._thread is None:
             self._closed = True
             return
-        if not self._thread.is_alive():  # it died: settle what it never took, or took and never finished
+        if not self._running:  # it died, or is ending: settle what it never took, or took and never finished
             self._closed = True
             self._flush()  # (what it handed over comes first)
             self._settle_orphans()
@@ -130,6 +131,15 @@ class NixlDataPlane(NixlEngine):
         except KeyError:
             return False
         return True
+
+    def _run(self, ready: asyncio.Future[None]) -> None:
+        try:
+            super()._run(ready)
+        finally:  # the thread ends, whatever ended it: a call or post it never took still settles (a close
+            loop = self._loop  # that queued its shutdown just as a failed start ended the thread waited for ever)
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # (the loop may be closed already)
+                    loop.call_soon_threadsafe(self._settle_orphans)
 
     def _settle_orphans(self) -> None:
         """After the engine thread died: every post it held or never took settles (with the error),

@@ -3,6 +3,7 @@ its own agent on its own thread, against recording fake agents (no NIXL needed).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from asynckv.errors import RemoteProtocolError
 from asynckv.proto.topology import stub_agent_metadata
 from asynckv.transport.base import MemoryLayout, Write
-from asynckv.transport.lanes import SMALL_POST_BYTES, LanedDataPlane
+from asynckv.transport.lanes import SMALL_POST_BYTES, SMALL_POST_DESCRIPTORS, LanedDataPlane
 from asynckv.transport.nixl import NixlDataPlane
 
 from .test_nixl_plane import FakeAgent, prepped, rows, until
@@ -167,10 +168,45 @@ async def test_a_lane_that_cannot_start_closes_the_others_and_the_error_is_raise
     assert not any(lane.alive for lane in plane.lanes)
 
 
+async def test_a_post_of_many_descriptors_counts_as_large_whatever_its_bytes() -> None:
+    """At some 4 us per descriptor, a head slice sent per token is a long copy under 1 MiB."""
+    a, b = FakeAgent(), FakeAgent()
+    plane, settled = await laned([a, b])
+    plane.post(1, "peer", Write(prepped().pieces * 2, SMALL_POST_DESCRIPTORS, 512), 30.0)  # split, as large
+    await until(lambda: transfers(a) == 1 and transfers(b) == 1)
+    assert plane._big == [1, 1]
+    plane.post(2, "peer", Write(prepped().pieces, SMALL_POST_DESCRIPTORS - 1, 512), 30.0)  # small
+    a.finish = b.finish = True
+    await until(lambda: len(settled) == 2)
+    assert plane._big == [0, 0] and plane._bigs == set() and plane._split == {}
+    await plane.close()
+
+
+class _SlowToEnd(NixlDataPlane):
+    """A lane whose thread, its start failed, is still ending when the close comes (descheduled)."""
+
+    def _run(self, ready: asyncio.Future[None]) -> None:
+        super()._run(ready)
+        time.sleep(0.5)
+
+
+async def test_closing_a_lane_whose_thread_is_still_ending_does_not_wait_for_it() -> None:
+    """The failed start closes every lane; the failed lane's thread is alive but past its loop.
+    Close used to queue a shutdown call nothing would answer, and start() hung (2 runs in 9 of
+    the test above)."""
+    agents = iter([FakeAgent()])
+    lanes = [NixlDataPlane("me", agent_factory=lambda n, b: next(agents)),
+             _SlowToEnd("me.1", agent_factory=lambda n, b: next(agents))]
+    plane = LanedDataPlane(lanes)
+    with pytest.raises(Exception, match="cannot create NIXL agent"):
+        await asyncio.wait_for(plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64))), 5)
+    assert not any(lane.alive for lane in plane.lanes)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
-async def test_a_dead_lane_takes_no_more_posts_and_close_settles_what_it_held() -> None:
-    """An engine thread that died must not swallow posts: new ones go to the live lane, and close
-    settles (with the error) every post the dead one held, so each post still settles once."""
+async def test_a_dead_lane_takes_no_more_posts_and_what_it_held_settles_as_its_thread_ends() -> None:
+    """An engine thread that died must not swallow posts: new ones go to the live lane, and every
+    post the dead one held settles (with the error) as its thread ends, each once."""
     a, b = FakeAgent(), FakeAgent()
     kill = {"now": False}
     real = b.get_new_notifs
@@ -194,16 +230,16 @@ async def test_a_dead_lane_takes_no_more_posts_and_close_settles_what_it_held() 
     lane1 = plane.lanes[1]
     assert lane1._thread is not None
     await until(lambda: not lane1._thread.is_alive())  # type: ignore[union-attr]
+    await until(lambda: [p for p, _ in settled] == [2])  # what the dead thread held settles as it ends
+    dead = dict(settled)[2]
+    assert dead is not None and "engine thread died" in str(dead)
     for post_id in (3, 4):
         plane.post(post_id, "peer", prepped(), 30.0)
     a.finish = True
-    await until(lambda: sorted(p for p, _ in settled) == [1, 3, 4])
+    await until(lambda: sorted(p for p, _ in settled) == [1, 2, 3, 4])
     assert transfers(a) == 3 and not plane.alive
     await plane.close()
-    await until(lambda: len(settled) == 4)
-    dead = dict(settled)[2]
-    assert dead is not None and "engine thread died" in str(dead)
-    assert plane._owner == {} and plane._load == [0, 0]
+    assert len(settled) == 4 and plane._owner == {} and plane._load == [0, 0] and plane._big == [0, 0]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
