@@ -13,10 +13,10 @@ at some 4 us each) goes whole to the first live lane holding no large post that 
 yet: lane 0 unless a large copy is under way there (a small post would wait for it); when every
 lane holds one, whole to the least loaded. Its copy (about 0.2 ms) takes less time than the loop
 spends on its room, so a second copying thread cannot raise the rate; it only wakes and takes
-the GIL beside the loop. At 1,000 rooms in flight of 256 KiB
-each (11 interleaved pairs of runs), spreading them over two lanes put the prefill's loop lag p99
-at 10.9-18.1 ms (median 12.5) and keeping them on one at 6.8-14.5 (median 9.1, lower in 10 pairs);
-rooms/s went 1,225 -> 1,276 and the prefill's CPU per room 0.86 -> 0.81 ms (medians).
+the GIL beside the loop. At 1,000 rooms in flight of 256 KiB each (11 interleaved pairs of runs),
+spreading them over two lanes put the prefill's loop lag p99 at 10.9-18.1 ms (median 12.5) and
+keeping them on one at 6.8-14.5 (median 9.1, lower in 10 pairs); rooms/s went 1,225 -> 1,276 and
+the prefill's CPU per room 0.86 -> 0.81 ms (medians).
 A larger post goes to the lane with the fewest posts in flight. A post of several handles (the
 write builder cuts a large write into one handle per lane) is split: its handles go round-robin to
 several lanes as parts, and it settles once every part did, with the first error; a cancel
