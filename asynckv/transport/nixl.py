@@ -27,11 +27,6 @@ __all__ = ["NixlDataPlane", "map_nixl_error"]
 log = logging.getLogger("asynckv.nixl")
 
 
-def _result_key(fut: Any, post_id: Any) -> tuple[str, int]:
-    """How an engine round's result names its command: by its future, or (a post without one) its id."""
-    return ("fut", id(fut)) if fut is not None else ("post", post_id)
-
-
 class NixlDataPlane(NixlEngine):
     """A NIXL agent plus the thread that owns it."""
 
@@ -183,3 +178,7 @@ class NixlDataPlane(NixlEngine):
 
     # -- engine thread: set-up and teardown ---------------------------------------------------
 
+
+def _result_key(fut: Any, post_id: Any) -> tuple[str, int]:
+    """How an engine round's result names its command: by its future, or (a post without one) its id."""
+    return ("fut", id(fut)) if fut is not None else ("post", post_id)
