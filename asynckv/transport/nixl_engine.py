@@ -1,5 +1,7 @@
-"""The NIXL engine thread: the only code that calls into a NIXL agent. Measured on this kind of
-machine (2-core VM, UCX over loopback, DRAM):
+"""The NIXL engine thread: the only code that calls into a NIXL agent.
+
+This is the only module that calls NIXL. Measured on this kind of machine (2-core VM,
+UCX over loopback, DRAM):
 
 - two threads touching one agent in its default sync mode segfaulted (4 of 4 runs), so
   exactly one thread, this one, calls into the agent and needs no locks;
@@ -83,7 +85,6 @@ class NixlEngine:
         self._running = False  # (set as the thread starts, cleared as it ends: cheaper than is_alive())
         self._outbox: Outbox | None = None  # (settled posts and call results, to the loop)
         self._woken: list[Command] = []  # (the command that ended the last wait: the thread's until its next round)
-        self._round: tuple[list[Any], list[Any]] = ([], [])  # (this round's commands and results, until delivered)
         self._closed = False
         self._leases: dict[str, float] = {}
         self._cancelled: dict[int, BaseException] = {}
@@ -236,8 +237,8 @@ class NixlEngine:
         agent = self._agent
         idle_wait = _MIN_IDLE_WAIT_S
         while True:
+            done: list[Any] = []
             commands, self._woken = self._woken, []
-            self._round = (commands, done := list[Any]())  # (a thread that dies mid-round leaves them to the loop)
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -272,7 +273,6 @@ class NixlEngine:
             self.rounds += 1
             if done:
                 self._deliver(done)
-            self._round = (commands, [])  # (delivered: nothing of this round is left for the loop to settle)
             if stop:
                 return
             if done:
