@@ -112,7 +112,6 @@ async def _exchange(role: str, count: int, send: object, on_message: object, clo
 
     on_message(deliver)  # type: ignore[operator]
     await asyncio.sleep(0.3)  # (both sides listening and connected)
-    cpu = 0.0
     if role == "ping":
         state["t0"] = time.perf_counter()
         send(MESSAGE)  # type: ignore[operator]
