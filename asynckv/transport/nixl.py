@@ -27,6 +27,11 @@ __all__ = ["NixlDataPlane", "map_nixl_error"]
 log = logging.getLogger("asynckv.nixl")
 
 
+def _result_key(fut: Any, post_id: Any) -> tuple[str, int]:
+    """How an engine round's result names its command: by its future, or (a post without one) its id."""
+    return ("fut", id(fut)) if fut is not None else ("post", post_id)
+
+
 class NixlDataPlane(NixlEngine):
     """A NIXL agent plus the thread that owns it."""
 
@@ -146,7 +151,14 @@ class NixlDataPlane(NixlEngine):
         every call fails, so that no caller waits for ever (the contract: each post settles once)."""
         err = TransportError(f"data plane {self.name[:8]}: engine thread died ({self.thread_error!r})")
         batch: list[tuple[int, BaseException | None]] = []
-        orphans: list[Any] = [*self._in_flight, *self._woken]  # (a command that woke it just before it died)
+        commands, done = self._round  # (the round it died in: what finished there was never handed over)
+        self._round = ([], [])
+        if done:
+            self._on_loop(list(done))  # (they settle as they finished, once)
+        finished = {_result_key(fut, value) for fut, value, _ in done}
+        held = {id(c): c for c in (*self._in_flight, *self._woken, *commands) if c is not None}  # (woken: a
+        orphans: list[Any] = [c for c in held.values()  # command that woke it just before it died)
+                              if _result_key(getattr(c, "fut", None), getattr(c, "post_id", None)) not in finished]
         self._in_flight, self._woken = [], []
         while True:
             try:
@@ -170,3 +182,4 @@ class NixlDataPlane(NixlEngine):
             self._loop.call_soon(self.on_settled, batch)
 
     # -- engine thread: set-up and teardown ---------------------------------------------------
+

@@ -1,7 +1,5 @@
-"""The NIXL engine thread: the only code that calls into a NIXL agent.
-
-This is the only module that calls NIXL. Measured on this kind of machine (2-core VM,
-UCX over loopback, DRAM):
+"""The NIXL engine thread: the only code that calls into a NIXL agent. Measured on this kind of
+machine (2-core VM, UCX over loopback, DRAM):
 
 - two threads touching one agent in its default sync mode segfaulted (4 of 4 runs), so
   exactly one thread, this one, calls into the agent and needs no locks;
@@ -13,13 +11,12 @@ UCX over loopback, DRAM):
 - a stopped peer leaves a handle in ``PROC`` forever (20 s and more seen): every post has a
   deadline; releasing a ``PROC`` handle cancels it.
 
-The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the
-loop drains a few per round. Each post is a series of handles with at most one in flight at
-a time (with CMA the copy happens inside ``transfer()``; over TCP the next handle starts
-when the previous one completed); before each handle starts, the post's write lease and the
-cancel set are checked, so a cancelled or lease-lapsed post lands at most the handle already
-in flight. (Posting every handle at once let a slow TCP post land bytes for seconds past its
-lease in the simulator.)
+The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop
+drains a few per round. Each post is a series of handles with at most one in flight at a time (with
+CMA the copy happens inside ``transfer()``; over TCP the next handle starts when the previous one
+completed); before each handle starts, the post's write lease and the cancel set are checked, so a
+cancelled or lease-lapsed post lands at most the handle already in flight. (Posting every handle at
+once let a slow TCP post land bytes for seconds past its lease in the simulator.)
 
 NIXL cannot cancel a transfer in flight: releasing a handle that is still ``PROC`` lets
 UCX complete the request later into freed memory (NIXL issue 2067), its bytes may still
@@ -85,6 +82,7 @@ class NixlEngine:
         self._running = False  # (set as the thread starts, cleared as it ends: cheaper than is_alive())
         self._outbox: Outbox | None = None  # (settled posts and call results, to the loop)
         self._woken: list[Command] = []  # (the command that ended the last wait: the thread's until its next round)
+        self._round: tuple[list[Any], list[Any]] = ([], [])  # (this round's commands and results, until delivered)
         self._closed = False
         self._leases: dict[str, float] = {}
         self._cancelled: dict[int, BaseException] = {}
@@ -239,6 +237,7 @@ class NixlEngine:
         while True:
             done: list[Any] = []
             commands, self._woken = self._woken, []
+            self._round = (commands, done)  # (a thread that dies mid-round leaves them to the loop)
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -273,6 +272,7 @@ class NixlEngine:
             self.rounds += 1
             if done:
                 self._deliver(done)
+            self._round = ([], [])  # (delivered: nothing of this round is left for the loop to settle)
             if stop:
                 return
             if done:

@@ -182,6 +182,35 @@ async def test_a_post_of_many_descriptors_counts_as_large_whatever_its_bytes() -
     await plane.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+async def test_a_post_that_finished_in_the_round_its_thread_died_in_settles_once_as_it_finished() -> None:
+    """The round's results were a local list of the dying thread: the post never settled (found by
+    review). Now the loop takes what that round finished and never handed over."""
+    a, b = FakeAgent(), FakeAgent()
+    b.finish = True  # lane 1's copy completes inside transfer()...
+    real_transfer, real_notifs = b.transfer, b.get_new_notifs
+    kill = {"now": False}
+
+    def transfer(h: int) -> str:
+        kill["now"] = True  # ...and its thread dies later in that same round
+        return real_transfer(h)
+
+    def notifs() -> dict[str, list[bytes]]:
+        if kill["now"]:
+            raise SystemExit("engine bug")
+        return real_notifs()
+    b.transfer, b.get_new_notifs = transfer, notifs  # type: ignore[method-assign]
+    plane, settled = await laned([a, b])
+    plane.post(1, "peer", big(), 30.0)  # lane 0 (stays in flight)
+    plane.post(2, "peer", big(), 30.0)  # lane 1: copied, then the thread dies
+    await until(lambda: [p for p, _ in settled] == [2])
+    assert dict(settled)[2] is None  # (its bytes landed: it settles as it finished)
+    a.finish = True
+    await until(lambda: len(settled) == 2)
+    await plane.close()
+    assert sorted(p for p, _ in settled) == [1, 2] and plane._owner == {} and plane._big == [0, 0]
+
+
 class _SlowToEnd(NixlDataPlane):
     """A lane whose thread, its start failed, is still ending when the close comes (descheduled)."""
 
