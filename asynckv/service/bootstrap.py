@@ -340,12 +340,22 @@ class BootstrapClient:
 
     async def fetch_instance(self, addr: str, timeout_s: float) -> PrefillInstance:
         """``GET /route`` until every prefill rank registered (503 is retried) or ``timeout_s``;
-        any other refusal (403 in protected mode) raises at once with the server's reason."""
+        any other refusal (403 in protected mode) raises at once with the server's reason. A server
+        that accepted but did not answer within the HTTP timeout is asked again while ``timeout_s``
+        lasts (a stalled host, not a dead one: a 5 s stall failed a room in CI); a refused
+        connection raises at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay = 0.02
         while True:
-            status, data = await self._request("GET", addr, "/route")
+            try:
+                status, data = await self._request("GET", addr, "/route")
+            except PeerUnreachable as exc:
+                if not isinstance(exc.__cause__, TimeoutError) or loop.time() + delay > deadline:
+                    raise
+                log.info("GET /route at %s: %s; asking again", addr, exc)
+                await asyncio.sleep(delay)
+                continue
             if status == 200:
                 return PrefillInstance.from_route(data)
             if status != 503:

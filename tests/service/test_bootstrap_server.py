@@ -125,6 +125,55 @@ async def test_client_maps_errors() -> None:
         await client.close()
 
 
+async def test_a_route_request_the_server_stalled_past_the_http_timeout_is_asked_again(server: BootstrapServer) -> None:
+    """A stall is not a death: the first connection is held open unanswered (a host stalled for
+    seconds failed a room in CI); the next one reaches the real server through a relay."""
+    registrar = BootstrapClient(2.0)
+    await registrar.register(server.addr, PrefillRank(**{**rank().to_json(), "tp_size": 1}))
+    await registrar.close()
+    host, port = split_addr(server.addr)
+    stalled: list[asyncio.StreamWriter] = []
+    opened: list[asyncio.StreamWriter] = []
+
+    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        while data := await src.read(65536):
+            dst.write(data)
+        dst.close()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        opened.append(writer)
+        if not stalled:
+            stalled.append(writer)  # (read nothing, answer nothing)
+            return
+        up_reader, up_writer = await asyncio.open_connection(host, port)
+        opened.append(up_writer)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    stalling = await asyncio.start_server(relay, "127.0.0.1", 0)
+    addr = f"127.0.0.1:{stalling.sockets[0].getsockname()[1]}"
+    try:
+        client = BootstrapClient(0.3)
+        try:
+            assert (await client.fetch_instance(addr, 5.0)).tp_size == 1
+            assert len(stalled) == 1  # (the first request did stall)
+        finally:
+            await client.close()
+        stalled.clear()
+        client = BootstrapClient(0.3)  # (a new one: the first kept its relayed connection alive)
+        try:
+            with pytest.raises(PeerUnreachable, match="TimeoutError"):  # (no time left to ask again)
+                await client.fetch_instance(addr, 0.1)
+            assert len(stalled) == 1
+        finally:
+            await client.close()
+    finally:
+        stalling.close()
+        for w in opened:
+            w.close()
+        await asyncio.gather(*(w.wait_closed() for w in opened), return_exceptions=True)
+        await stalling.wait_closed()
+
+
 def test_split_addr() -> None:
     assert split_addr("127.0.0.1:8998") == ("127.0.0.1", 8998)
     assert split_addr("[::1]:80") == ("::1", 80)
