@@ -30,14 +30,18 @@ async def wait_registered(server: BootstrapServer, agent_ids: set[str] | None = 
     raise TimeoutError("prefill process never registered")
 
 
-async def receive_all(mgr: KVManager, spec: DemoSpec, pool: KVPool, addr: str) -> list[tuple[int, KVPoll, float, str]]:
-    """Receive every room of the spec at once; (room, result, monotonic time resolved, reason)."""
+async def receive_all(mgr: KVManager, spec: DemoSpec, pool: KVPool, addr: str,
+                      inited: list[int] | None = None) -> list[tuple[int, KVPoll, float, str]]:
+    """Receive every room of the spec at once; (room, result, monotonic time resolved, reason).
+    ``inited`` gets each room whose destination went out (its registration is in place)."""
     pages = np.random.default_rng(0).permutation(pool.num_pages)
 
     async def one(i: int, room: int, n: int) -> tuple[int, KVPoll, float, str]:
         dst = pages[i * spec.max_pages:i * spec.max_pages + n]
         receiver = mgr.receiver(addr, room)
         await receiver.init(dst, i % pool.aux_rows)
+        if inited is not None:
+            inited.append(room)
         result = await receiver.wait(60)
         if result == KVPoll.Success:
             assert verify_pages(pool, room, dst) == 0 and verify_aux(pool, room, i % pool.aux_rows) == 0
@@ -59,8 +63,16 @@ async def test_sigkill_prefill_with_50_rooms_in_flight_fails_every_room_fast() -
                 PeerProcess.start_ctx("prefill", other) as healthy, \
                 KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config(waiting_timeout_s=60)) as d:
             await wait_registered(server)
-            receiving = asyncio.create_task(receive_all(d, spec, pool, server.addr))
-            await asyncio.sleep(1.0)  # every room is mid-transfer: the prefill sleeps between chunks
+            inited: list[int] = []
+            receiving = asyncio.create_task(receive_all(d, spec, pool, server.addr, inited))
+            # Every room's destination went out, so each is mid-transfer (the prefill sleeps 1.5 s between
+            # chunks). A fixed sleep was not enough on a stalled VM: a room whose init came after the kill
+            # registered anew with the dead prefill and failed on the registration timeout instead.
+            deadline = time.monotonic() + 30
+            while len(inited) < 50 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert len(inited) == 50, f"only {len(inited)} rooms sent their destination"
+            await asyncio.sleep(0.2)  # (their first chunks are on their way)
             prefill.kill()
             killed = time.monotonic()
             results = await receiving
