@@ -205,6 +205,10 @@ def _lease_s(data: Any) -> float:
     return min(float(value), 600.0)
 
 
+STALLED_ASKS = 3
+"""``GET /route`` requests that timed out before a fetch gives up (see ``fetch_instance``)."""
+
+
 def _backoff(attempt: int, cap: float) -> float:
     return min(0.1 * 2.0**attempt, cap) * random.uniform(0.75, 1.0)
 
@@ -341,17 +345,19 @@ class BootstrapClient:
     async def fetch_instance(self, addr: str, timeout_s: float) -> PrefillInstance:
         """``GET /route`` until every prefill rank registered (503 is retried) or ``timeout_s``;
         any other refusal (403 in protected mode) raises at once with the server's reason. A server
-        that accepted but did not answer within the HTTP timeout is asked again while ``timeout_s``
-        lasts (a stalled host, not a dead one: a 5 s stall failed a room in CI); a refused
-        connection raises at once."""
+        that accepted but did not answer within the HTTP timeout is asked ``STALLED_ASKS`` times in
+        all while ``timeout_s`` lasts (a host stalled for seconds failed a room in CI; a wedged one
+        still fails within a few HTTP timeouts); a refused connection raises at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        delay = 0.02
+        delay, stalled = 0.02, 0
         while True:
             try:
                 status, data = await self._request("GET", addr, "/route")
             except PeerUnreachable as exc:
-                if not isinstance(exc.__cause__, TimeoutError) or loop.time() + delay > deadline:
+                stalled += 1
+                if not isinstance(exc.__cause__, TimeoutError) or stalled >= STALLED_ASKS \
+                        or loop.time() + delay > deadline:
                     raise
                 log.info("GET /route at %s: %s; asking again", addr, exc)
                 await asyncio.sleep(delay)

@@ -18,7 +18,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from asynckv import BootstrapServer, BootstrapTimeout, PeerUnreachable, RemoteProtocolError
 from asynckv.proto.bootstrap import PrefillRank
-from asynckv.service.bootstrap import BootstrapClient, split_addr
+from asynckv.service.bootstrap import STALLED_ASKS, BootstrapClient, split_addr
 
 from ..proto.test_bootstrap_table import rank
 
@@ -134,6 +134,7 @@ async def test_a_route_request_the_server_stalled_past_the_http_timeout_is_asked
     host, port = split_addr(server.addr)
     stalled: list[asyncio.StreamWriter] = []
     opened: list[asyncio.StreamWriter] = []
+    stall_all = [False]
 
     async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         while data := await src.read(65536):
@@ -142,7 +143,7 @@ async def test_a_route_request_the_server_stalled_past_the_http_timeout_is_asked
 
     async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         opened.append(writer)
-        if not stalled:
+        if not stalled or stall_all[0]:
             stalled.append(writer)  # (read nothing, answer nothing)
             return
         up_reader, up_writer = await asyncio.open_connection(host, port)
@@ -164,6 +165,15 @@ async def test_a_route_request_the_server_stalled_past_the_http_timeout_is_asked
             with pytest.raises(PeerUnreachable, match="TimeoutError"):  # (no time left to ask again)
                 await client.fetch_instance(addr, 0.1)
             assert len(stalled) == 1
+        finally:
+            await client.close()
+        stall_all[0] = True  # a wedged server: asked STALLED_ASKS times, then the fetch fails
+        client = BootstrapClient(0.2)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable, match="TimeoutError"):
+                await client.fetch_instance(addr, 60.0)
+            assert len(stalled) == 1 + STALLED_ASKS and time.monotonic() - t0 < 5
         finally:
             await client.close()
     finally:
