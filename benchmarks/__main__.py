@@ -27,13 +27,14 @@ from . import (
     bench_sim,
     bench_small,
     bench_throughput,
+    trace_room,
 )
 from ._common import RESULTS
 from .report import render, render_scaling
 
 FULL: dict[str, list[str]] = {"throughput": [], "small": [], "concurrency": [], "kernels": [], "idle": [],
                               "first_contact": [], "head_slice": [], "sglang": [],
-                              "sglang_poll": [], "scaling": [], "hetero_tp": [], "control": [], "sim": []}
+                              "sglang_poll": [], "scaling": [], "hetero_tp": [], "control": [], "sim": [], "trace": []}
 SMOKE: dict[str, list[str]] = {
     "throughput": ["--sizes-mib", "0.0625", "1", "--reps", "1"],
     "small": ["--pages", "1", "--reps", "5"],
@@ -49,12 +50,13 @@ SMOKE: dict[str, list[str]] = {
     "hetero_tp": ["--rounds", "1", "--layers", "2", "--requests", "4", "--pages", "4", "--inflight", "2"],
     "control": ["--messages", "60", "--rounds", "1"],
     "sim": ["--seeds", "500", "--procs", "1"],
+    "trace": ["--rooms", "5"],
 }
 MODULES = {"throughput": bench_throughput, "small": bench_small, "concurrency": bench_concurrency,
            "kernels": bench_kernels, "idle": bench_idle, "first_contact": bench_first_contact,
            "head_slice": bench_head_slice, "sglang": bench_sglang,
            "sglang_poll": bench_sglang_poll, "scaling": bench_scaling, "hetero_tp": bench_hetero_tp,
-           "control": bench_control, "sim": bench_sim}
+           "control": bench_control, "sim": bench_sim, "trace": trace_room}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ def test_every_benchmark_runs_at_a_tiny_size(tmp_path: pathlib.Path) -> None:
     written = sorted(p.name for p in tmp_path.glob("*.json"))
     assert written == ["concurrency.json", "control_transport.json", "first_contact.json", "head_slice.json",
                        "hetero_tp.json", "idle.json",
-                       "kernels.json",
+                       "kernels.json", "room_trace.json",
                        "scaling.json", "sglang_poll.json", "sglang_side_by_side.json", "simulator.json",
                        "small_requests.json", "throughput.json"]
     for name in written:
