@@ -254,7 +254,7 @@ class BootstrapClient:
                 except (ValueError, RecursionError):
                     answer = text
                 return resp.status, answer
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:  # (not TimeoutError before 3.11)
             raise PeerUnreachable(f"bootstrap server {addr} unreachable: {exc!r}") from exc
 
     async def _put_rank(self, addr: str, rank: PrefillRank) -> tuple[int, Any]:
@@ -344,10 +344,11 @@ class BootstrapClient:
 
     async def fetch_instance(self, addr: str, timeout_s: float) -> PrefillInstance:
         """``GET /route`` until every prefill rank registered (503 is retried) or ``timeout_s``;
-        any other refusal (403 in protected mode) raises at once with the server's reason. A server
-        that accepted but did not answer within the HTTP timeout is asked ``STALLED_ASKS`` times in
-        all while ``timeout_s`` lasts (a host stalled for seconds failed a room in CI; a wedged one
-        still fails within a few HTTP timeouts); a refused connection raises at once."""
+        any other refusal (403 in protected mode) raises at once with the server's reason. A request
+        that timed out (a server that stalled, or a host that never accepted the connection) is made
+        ``STALLED_ASKS`` times in all while ``timeout_s`` lasts (a host stalled for seconds failed a
+        room in CI; a wedged one still fails within a few HTTP timeouts); a refused connection, or one
+        closed before an answer, raises at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay, stalled = 0.02, 0
@@ -356,7 +357,7 @@ class BootstrapClient:
                 status, data = await self._request("GET", addr, "/route")
             except PeerUnreachable as exc:
                 stalled += 1
-                if not isinstance(exc.__cause__, TimeoutError) or stalled >= STALLED_ASKS \
+                if not isinstance(exc.__cause__, asyncio.TimeoutError) or stalled >= STALLED_ASKS \
                         or loop.time() + delay > deadline:
                     raise
                 log.info("GET /route at %s: %s; asking again", addr, exc)

@@ -108,17 +108,22 @@ class LanedDataPlane:
         return bytes(results[0])  # type: ignore[arg-type]
 
     async def connect_peer(self, peer: str, metadata: bytes, rows: U64 | None, mem_kind: str) -> None:
-        results = await asyncio.gather(*(lane.connect_peer(peer, metadata, rows, mem_kind) for lane in self.lanes),
+        lanes = self._live()  # (posts go to live lanes only; a dead one refuses commands)
+        results = await asyncio.gather(*(lane.connect_peer(peer, metadata, rows, mem_kind) for lane in lanes),
                                        return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:  # undo it where it succeeded, so that the peer can be connected anew later
-            for lane, result in zip(self.lanes, results, strict=True):
+            for lane, result in zip(lanes, results, strict=True):
                 if not isinstance(result, BaseException):
                     lane.forget_peer(peer)
             raise failed[0]
 
     async def warm_up(self, peer: str, dst: tuple[int, int], timeout_s: float) -> None:
-        await asyncio.gather(*(lane.warm_up(peer, dst, timeout_s) for lane in self.lanes))
+        await asyncio.gather(*(lane.warm_up(peer, dst, timeout_s) for lane in self._live()))
+
+    def _live(self) -> list[NixlDataPlane]:
+        """The lanes whose engine threads run, or all of them when none does (each then refuses)."""
+        return [lane for lane in self.lanes if lane.alive] or list(self.lanes)
 
     def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
         big = write.nbytes >= SMALL_POST_BYTES or write.descriptors >= SMALL_POST_DESCRIPTORS

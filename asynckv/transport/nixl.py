@@ -123,6 +123,8 @@ class NixlDataPlane(NixlEngine):
     def _future(self) -> asyncio.Future[Any]:
         if self._closed or self._loop is None:
             raise ClosedError(f"data plane {self.name} is closed")
+        if not self._running:  # (nothing would take the command: a connect to a dead lane waited for ever)
+            raise TransportError(f"data plane {self.name[:8]}: engine thread is dead")
         return self._loop.create_future()
 
     def _put(self, cmd: Command) -> None:
@@ -153,8 +155,6 @@ class NixlDataPlane(NixlEngine):
         batch: list[tuple[int, BaseException | None]] = []
         commands, done = self._round  # (the round it died in: what finished there was never handed over)
         self._round = ([], [])
-        if done:
-            self._on_loop(list(done))  # (they settle as they finished, once)
         finished = {_result_key(fut, value) for fut, value, _ in done}
         held = {id(c): c for c in (*self._in_flight, *self._woken, *commands) if c is not None}  # (woken: a
         orphans: list[Any] = [c for c in held.values()  # command that woke it just before it died)
@@ -176,6 +176,8 @@ class NixlDataPlane(NixlEngine):
                 batch.append((cmd.post_id, err))
         if batch:
             self._settle_soon(batch)
+        if done:  # last: a settle handler that raises must not hold back the orphans above
+            self._on_loop(list(done))  # (they settle as they finished, once)
 
     def _settle_soon(self, batch: list[tuple[int, BaseException | None]]) -> None:
         if self._loop is not None:

@@ -1,41 +1,40 @@
 """The NIXL engine thread: the only code that calls into a NIXL agent. Measured on this kind of
 machine (2-core VM, UCX over loopback, DRAM):
 
-- two threads touching one agent in its default sync mode segfaulted (4 of 4 runs), so
-  exactly one thread, this one, calls into the agent and needs no locks;
-- on one host ``transfer()`` performs the whole DRAM copy inside the call (256 MiB took
-  about 50 ms) and ``add_remote_agent`` takes about 20 ms: none of it may run on the event loop;
-- the stock progress thread spins a whole core, so it is off and this thread drives
-  progress: tightly while transfers are in flight, backing off to ``idle_poll_s`` when idle;
-  a target that stops progressing stalls its initiators;
-- a stopped peer leaves a handle in ``PROC`` forever (20 s and more seen): every post has a
-  deadline; releasing a ``PROC`` handle cancels it.
+- two threads touching one agent in its default sync mode segfaulted (4 of 4 runs), so exactly one
+  thread, this one, calls into the agent and needs no locks;
+- on one host ``transfer()`` performs the whole DRAM copy inside the call (256 MiB took about 50 ms) and
+  ``add_remote_agent`` takes about 20 ms: none of it may run on the event loop;
+- the stock progress thread spins a whole core, so it is off and this thread drives progress: tightly
+  while transfers are in flight, backing off to ``idle_poll_s`` when idle; a target that stops
+  progressing stalls its initiators;
+- a stopped peer leaves a handle in ``PROC`` forever (20 s and more seen): every post has a deadline;
+  releasing a ``PROC`` handle cancels it.
 
-The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop
-drains a few per round. Each post is a series of handles with at most one in flight at a time (with
-CMA the copy happens inside ``transfer()``; over TCP the next handle starts when the previous one
-completed); before each handle starts, the post's write lease and the cancel set are checked, so a
-cancelled or lease-lapsed post lands at most the handle already in flight. (Posting every handle at
-once let a slow TCP post land bytes for seconds past its lease in the simulator.)
+The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop drains a few
+per round. Each post is a series of handles with at most one in flight at a time (with CMA the copy happens
+inside ``transfer()``; over TCP the next handle starts when the previous one completed); before each handle
+starts, the post's write lease and the cancel set are checked, so a cancelled or lease-lapsed post lands at most
+the handle already in flight. (Posting every handle at once let a slow TCP post land bytes for seconds past its
+lease in the simulator.)
 
-NIXL cannot cancel a transfer in flight: releasing a handle that is still ``PROC`` lets
-UCX complete the request later into freed memory (NIXL issue 2067), its bytes may still
-land (over TCP, 11 of 80 aborted rooms had bytes land after decode was told), and tearing
-the agent down with such requests queued to a stopped peer over TCP aborted the process
-with a double free in ``uct_tcp_ep_destroy`` (9 of 10 runs). So a post that is cancelled,
-loses its lease or its peer *stops*: it starts no further handle, and it settles (with the
-error) only once the handle already in flight completed or failed. Only a post still
-unfinished at its deadline settles with a handle in flight; those are *parked*, polled each
-round and released once they complete or fail. A peer is forgotten, and the plane closed,
-in one sequence on this thread: its posts stop, its prepared dlist is released and its
-agent removed once nothing of it is in flight or parked, then memory is deregistered. If
-handles are still parked at close (a peer stopped for good), memory stays registered and
-the agent is kept alive until the process exits rather than torn down under them.
+NIXL cannot cancel a transfer in flight: releasing a handle that is still ``PROC`` lets UCX complete the request
+later into freed memory (NIXL issue 2067), its bytes may still land (over TCP, 11 of 80 aborted rooms had bytes
+land after decode was told), and tearing the agent down with such requests queued to a stopped peer over TCP
+aborted the process with a double free in ``uct_tcp_ep_destroy`` (9 of 10 runs). So a post that is cancelled,
+loses its lease or its peer *stops*: it starts no further handle, and it settles (with the error) only once the
+handle already in flight completed or failed. Only a post still unfinished at its deadline settles with a handle
+in flight; those are *parked*, polled each round and released once they complete or fail. A peer is forgotten,
+and the plane closed, in one sequence on this thread: its posts stop, its prepared dlist is released and its
+agent removed once nothing of it is in flight or parked, then memory is deregistered. If handles are still
+parked at close (a peer stopped for good), memory stays registered and the agent is kept alive until the process
+exits rather than torn down under them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -199,35 +198,36 @@ class NixlEngine:
 
     def _shutdown(self) -> None:
         done: list[Any] = []
-        for post in self._in_flight:
-            post.stop = post.stop or ClosedError("data plane closed")
-        for peer in list(self._remote):
-            self._forget(peer, done)
-        deadline = time.monotonic() + (SETTLE_AT_CLOSE_S if self._parked or self._in_flight else 0.0)
-        while (self._parked or self._in_flight) and time.monotonic() < deadline:
-            self._agent.get_new_notifs()
-            self._check_in_flight(time.monotonic(), done)
-            self._poll_parked()
-            time.sleep(0.001)
-        for post in self._in_flight:  # stuck (a stopped peer): park what is still in flight
-            self._finish(post, post.stop, done)
-        self._in_flight = []
-        if self._parked:  # a peer stopped for good: tearing down under its transfers would crash
-            log.warning("data plane %s: %d transfers still in flight to stopped peers at close; keeping the "
-                        "NIXL agent (and its memory registrations) until the process exits", self.name,
-                        len(self._parked))
-            keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles,
-                             self._memory))
-            self._reg_handles = []
+        try:  # (what settled here is handed over whatever a later step raises)
+            for post in self._in_flight:
+                post.stop = post.stop or ClosedError("data plane closed")
+            for peer in list(self._remote):
+                self._forget(peer, done)
+            deadline = time.monotonic() + (SETTLE_AT_CLOSE_S if self._parked or self._in_flight else 0.0)
+            while (self._parked or self._in_flight) and time.monotonic() < deadline:
+                with contextlib.suppress(Exception):  # (as in the progress loop)
+                    self._agent.get_new_notifs()
+                self._check_in_flight(time.monotonic(), done)
+                self._poll_parked()
+                time.sleep(0.001)
+            for post in self._in_flight:  # stuck (a stopped peer): park what is still in flight
+                self._finish(post, post.stop, done)
+            self._in_flight = []
+            if self._parked:  # a peer stopped for good: tearing down under its transfers would crash
+                log.warning("data plane %s: %d transfers still in flight to stopped peers at close; keeping the NIXL "
+                            "agent and its registrations until the process exits", self.name, len(self._parked))
+                keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles,
+                                 self._memory))
+                self._reg_handles = []
+                return
+            if self._local_dlist is not None:
+                self._agent.release_dlist_handle(self._local_dlist)
+                self._local_dlist = None
+            for handle in self._reg_handles:
+                self._agent.deregister_memory(handle)
+            self._reg_handles.clear()
+        finally:
             self._deliver(done)
-            return
-        if self._local_dlist is not None:
-            self._agent.release_dlist_handle(self._local_dlist)
-            self._local_dlist = None
-        for handle in self._reg_handles:
-            self._agent.deregister_memory(handle)
-        self._reg_handles.clear()
-        self._deliver(done)
 
     # -- engine thread: progress --------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from asynckv.errors import RemoteProtocolError
+from asynckv.errors import RemoteProtocolError, TransportError
 from asynckv.proto.topology import stub_agent_metadata
 from asynckv.transport.base import MemoryLayout, Write
 from asynckv.transport.lanes import SMALL_POST_BYTES, SMALL_POST_DESCRIPTORS, LanedDataPlane
@@ -336,4 +336,34 @@ async def test_a_split_write_with_one_part_stuck_past_its_deadline_reports_its_h
     assert outcome[1] is reason and outcome[2] is reason
     assert plane.take_in_flight(1) and not plane.take_in_flight(2)  # the flag is the post's, not the reason's
     b.finish = True
+    await plane.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+async def test_a_peer_connects_over_the_live_lanes_and_a_dead_lane_refuses_calls() -> None:
+    """A connect queued to a lane whose thread had died waited for ever (found by review): a new decode
+    peer never connected. Now the connect goes to live lanes, and a dead lane refuses a call at once."""
+    a, b = FakeAgent(), FakeAgent()
+    real_notifs = b.get_new_notifs
+    kill = {"now": False}
+
+    def notifs() -> dict[str, list[bytes]]:
+        if kill["now"]:
+            raise SystemExit("engine bug")
+        return real_notifs()
+    b.get_new_notifs = notifs  # type: ignore[method-assign]
+    plane, settled = await laned([a, b])
+    kill["now"] = True
+    await until(lambda: not plane.lanes[1].alive)
+    await asyncio.wait_for(plane.connect_peer("other", stub_agent_metadata("other"), rows(4), "DRAM"), 2.0)
+    def connected(agent: FakeAgent) -> bool:
+        return ("add_remote_agent", stub_agent_metadata("other")) in agent.calls
+    assert connected(a) and not connected(b)
+    with pytest.raises(TransportError, match="engine thread is dead"):
+        await asyncio.wait_for(plane.lanes[1].call(lambda agent: None), 2.0)
+    plane.set_lease("other", time.monotonic() + 60)
+    plane.post(1, "other", big(), 30.0)
+    a.finish = True
+    await until(lambda: [p for p, _ in settled] == [1])
+    assert settled == [(1, None)]
     await plane.close()

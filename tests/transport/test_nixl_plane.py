@@ -415,3 +415,73 @@ async def test_settles_handed_over_before_the_thread_died_come_before_close_retu
     await plane.close()
     assert [post_id for post_id, _ in settled] == list(range(1, 11))
     assert all(error is None for _, error in settled)
+
+
+@pytest.mark.parametrize("fails", ["deregister_memory", "get_new_notifs"])
+async def test_posts_that_finish_while_a_close_fails_midway_still_settle(fails: str) -> None:
+    """Close's own settles were a local list of its shutdown step, dropped when a later step raised
+    (found by review): those posts never settled."""
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    for post_id in (1, 2, 3):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 3)
+    closing = {"now": False, "polls": 0}
+    real_shutdown, real_notifs = plane._shutdown, agent.get_new_notifs
+
+    def shutdown() -> None:
+        closing["now"] = True
+        real_shutdown()
+    plane._shutdown = shutdown  # type: ignore[method-assign]
+
+    def notifs() -> dict[str, list[bytes]]:
+        if closing["now"]:
+            closing["polls"] += 1
+            if fails == "deregister_memory":
+                agent.finish = True  # every handle completes while close waits for them
+            elif closing["polls"] == 1:
+                agent.done.update(p.handle for p in plane._in_flight[:2])  # two of three complete
+            elif closing["polls"] == 2:
+                raise RuntimeError("get_new_notifs failed")
+        return real_notifs()
+    agent.get_new_notifs = notifs  # type: ignore[method-assign]
+    if fails == "deregister_memory":
+        def deregister(h: int) -> None:
+            raise RuntimeError("deregister failed")
+        agent.deregister_memory = deregister  # type: ignore[method-assign]
+    await asyncio.wait_for(plane.close(), 10)
+    await asyncio.sleep(0.05)
+    assert sorted(p for p, _ in settled) == [1, 2, 3], settled  # (each once, stopped by the close)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+async def test_a_settle_handler_that_raises_does_not_hold_back_a_dead_threads_orphans() -> None:
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    handled = {"calls": 0}
+
+    def on_settled(batch: list[tuple[int, BaseException | None]]) -> None:
+        handled["calls"] += 1
+        if batch == [(3, None)]:
+            raise RuntimeError("a settle handler's bug")
+        settled.extend(batch)
+    plane.on_settled = on_settled
+    plane.post(2, "peer", prepped(), 30.0)  # stays in flight
+    await until(lambda: plane.posts_in_flight == 1)
+    real_transfer, real_notifs, kill = agent.transfer, agent.get_new_notifs, {"now": False}
+
+    def transfer(h: int) -> str:
+        real_transfer(h)
+        agent.done.add(h)
+        kill["now"] = True
+        return "DONE"  # post 3 copies inside transfer()...
+
+    def notifs() -> dict[str, list[bytes]]:
+        if kill["now"]:
+            raise SystemExit("engine bug")  # ...and the thread dies later in that round
+        return real_notifs()
+    agent.transfer, agent.get_new_notifs = transfer, notifs  # type: ignore[method-assign]
+    plane.post(3, "peer", prepped(), 30.0)
+    await until(lambda: [p for p, _ in settled] == [2])  # before close: the held post settled (failed)
+    assert isinstance(settled[0][1], Exception) and "engine thread died" in str(settled[0][1])
+    await plane.close()
