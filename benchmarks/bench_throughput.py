@@ -77,24 +77,29 @@ async def measure(sizes: list[int], reps: int) -> list[dict[str, object]]:
                     # Pipelined: several requests in flight (as a serving stack has), so one room's
                     # control messages overlap another's copy. Raw NIXL posts the same writes back to back.
                     k = max(1, min(4, max_pages // n))
-                    sets = [(rng.permutation(max_pages)[:n], rng.permutation(max_pages)[:n]) if layout == "scattered"
-                            else (np.arange(n) + i * n, np.arange(n) + i * n) for i in range(k)]
-                    t = time.perf_counter()
-                    await asyncio.gather(*(room(p, d, 10**8 + room_id * 8 + i, sv, dv)
-                                           for i, (sv, dv) in enumerate(sets)))
-                    kv_pipe = k * size / (time.perf_counter() - t) / 1e9
-                    t = time.perf_counter()
-                    for sv, dv in sets:
-                        raw.write(sv, dv)
-                    rw_one = k * size / (time.perf_counter() - t) / 1e9
-                    rw_two = k * size / raw.write_parallel(sets) / 1e9  # two agents, two threads
+                    kv_runs, one_runs, two_runs = [], [], []
+                    for trial in range(reps):  # interleaved trials, medians (one shot each was noise)
+                        sets = [(rng.permutation(max_pages)[:n], rng.permutation(max_pages)[:n])
+                                if layout == "scattered" else (np.arange(n) + i * n, np.arange(n) + i * n)
+                                for i in range(k)]
+                        t = time.perf_counter()
+                        await asyncio.gather(*(room(p, d, 10**8 + room_id * 64 + trial * 8 + i, sv, dv)
+                                               for i, (sv, dv) in enumerate(sets)))
+                        kv_runs.append(k * size / (time.perf_counter() - t) / 1e9)
+                        t = time.perf_counter()
+                        for sv, dv in sets:
+                            raw.write(sv, dv)
+                        one_runs.append(k * size / (time.perf_counter() - t) / 1e9)
+                        two_runs.append(k * size / raw.write_parallel(sets) / 1e9)  # two agents, two threads
+                    kv_pipe, rw_one, rw_two = (statistics.median(r) for r in (kv_runs, one_runs, two_runs))
                     rw_pipe = max(rw_one, rw_two)  # raw NIXL's fastest configuration in this run
                     rows.append({"bytes": size, "layout": layout, "asynckv_gbps": kv, "raw_nixl_gbps": rw,
                                  "asynckv_from_send_gbps": kv_send, "from_send_ratio_vs_raw": kv_send / rw,
                                  "copyto_gbps": cp, "ratio_vs_raw": kv / rw, "inflight": k,
                                  "asynckv_pipelined_gbps": kv_pipe, "raw_pipelined_gbps": rw_pipe,
                                  "raw_pipelined_one_agent_gbps": rw_one, "raw_pipelined_two_agents_gbps": rw_two,
-                                 "pipelined_ratio": kv_pipe / rw_pipe})
+                                 "pipelined_ratio": kv_pipe / rw_pipe, "asynckv_pipelined_min_gbps": min(kv_runs),
+                                 "asynckv_pipelined_max_gbps": max(kv_runs), "pipelined_trials": reps})
                     print(f"  {size / 2**20:8.2f} MiB {layout:10s}: one request: asynckv {kv:6.2f} GB/s, raw NIXL "
                           f"{rw:6.2f}, np.copyto {cp:6.2f} -> {kv / rw:.2f}x raw ({kv_send / rw:.2f}x from send()); "
                           f"{k} in flight: asynckv "
