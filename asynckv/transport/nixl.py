@@ -151,7 +151,8 @@ class NixlDataPlane(NixlEngine):
     def _settle_orphans(self) -> None:
         """After the engine thread died: every post it held or never took settles (with the error),
         every call fails, so that no caller waits for ever (the contract: each post settles once)."""
-        err = TransportError(f"data plane {self.name[:8]}: engine thread died ({self.thread_error!r})")
+        err = TransportError(f"data plane {self.name[:8]}: engine thread died ({self.thread_error!r})"
+                             if self.thread_error is not None else f"data plane {self.name[:8]}: engine thread ended")
         batch: list[tuple[int, BaseException | None]] = []
         commands, done = self._round  # (the round it died in: what finished there was never handed over)
         self._round = ([], [])
@@ -184,4 +185,3 @@ class NixlDataPlane(NixlEngine):
             self._loop.call_soon(self.on_settled, batch)
 
     # -- engine thread: set-up and teardown ---------------------------------------------------
-

@@ -5,30 +5,23 @@ machine (2-core VM, UCX over loopback, DRAM):
   thread, this one, calls into the agent and needs no locks;
 - on one host ``transfer()`` performs the whole DRAM copy inside the call (256 MiB took about 50 ms) and
   ``add_remote_agent`` takes about 20 ms: none of it may run on the event loop;
-- the stock progress thread spins a whole core, so it is off and this thread drives progress: tightly
-  while transfers are in flight, backing off to ``idle_poll_s`` when idle; a target that stops
-  progressing stalls its initiators;
-- a stopped peer leaves a handle in ``PROC`` forever (20 s and more seen): every post has a deadline;
-  releasing a ``PROC`` handle cancels it.
+- the stock progress thread spins a whole core, so it is off and this thread drives progress: tightly while
+  transfers are in flight, backing off to ``idle_poll_s`` when idle (a target that stops progressing stalls its
+  initiators); a stopped peer leaves a handle in ``PROC`` forever (20 s and more seen): every post has a deadline.
 
-The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop drains a few
-per round. Each post is a series of handles with at most one in flight at a time (with CMA the copy happens
-inside ``transfer()``; over TCP the next handle starts when the previous one completed); before each handle
-starts, the post's write lease and the cancel set are checked, so a cancelled or lease-lapsed post lands at most
-the handle already in flight. (Posting every handle at once let a slow TCP post land bytes for seconds past its
-lease in the simulator.)
+The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop drains a few per
+round. A post is a series of handles, one in flight at a time; its write lease and the cancel set are checked
+before each starts, so a cancelled or lease-lapsed post lands at most the handle already in flight (posting every
+handle at once let a slow TCP post land bytes for seconds past its lease in the simulator).
 
-NIXL cannot cancel a transfer in flight: releasing a handle that is still ``PROC`` lets UCX complete the request
-later into freed memory (NIXL issue 2067), its bytes may still land (over TCP, 11 of 80 aborted rooms had bytes
-land after decode was told), and tearing the agent down with such requests queued to a stopped peer over TCP
-aborted the process with a double free in ``uct_tcp_ep_destroy`` (9 of 10 runs). So a post that is cancelled,
-loses its lease or its peer *stops*: it starts no further handle, and it settles (with the error) only once the
-handle already in flight completed or failed. Only a post still unfinished at its deadline settles with a handle
-in flight; those are *parked*, polled each round and released once they complete or fail. A peer is forgotten,
-and the plane closed, in one sequence on this thread: its posts stop, its prepared dlist is released and its
-agent removed once nothing of it is in flight or parked, then memory is deregistered. If handles are still
-parked at close (a peer stopped for good), memory stays registered and the agent is kept alive until the process
-exits rather than torn down under them.
+NIXL cannot cancel a transfer in flight: releasing a ``PROC`` handle lets UCX finish it into freed memory, and
+tearing an agent down under requests queued to a stopped peer aborted the process (docs/failures.md). So a post
+that is cancelled, loses its lease or its peer *stops*: it starts no further handle and settles (with the error)
+once the handle already in flight completed or failed. Only a post unfinished at its deadline, or at close,
+settles with a handle in flight: the handle is *parked*, polled each round and released once it completes or
+fails. Forgetting a peer and closing run as one sequence on this thread; if handles are still parked at close (a
+peer stopped for good), the agent and its registrations are kept until the process exits, whatever step of the
+close raised.
 """
 
 from __future__ import annotations
@@ -226,6 +219,13 @@ class NixlEngine:
             for handle in self._reg_handles:
                 self._agent.deregister_memory(handle)
             self._reg_handles.clear()
+        except BaseException:  # a step raised: park what is still in flight and keep the agent for it
+            for post in self._in_flight:
+                self._finish(post, post.stop or ClosedError("data plane closed"), done)
+            self._in_flight = []
+            if self._parked:
+                keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles))
+            raise
         finally:
             self._deliver(done)
 
@@ -298,8 +298,7 @@ class NixlEngine:
         if post.peer not in self._remote:
             return PeerUnreachable(f"post {post.post_id}: peer {post.peer[:8]} is not connected")
         if post.leased and now >= self._leases.get(post.peer, float("-inf")):
-            return TransferTimeout(f"post {post.post_id}: the write lease on the peer expired "
-                                   f"(unheard for too long)")
+            return TransferTimeout(f"post {post.post_id}: the write lease on the peer expired (unheard for too long)")
         return None
 
     def _start(self, post: PostCmd, done: list[Any]) -> None:
@@ -311,9 +310,8 @@ class NixlEngine:
             self._finish(post, post.stop, done)
 
     def _advance(self, post: PostCmd, now: float) -> None:
-        """Post the next handles of ``post``, checking the lease and cancel set before each, until
-        one is left in flight (TCP) or none is left. One handle in flight at a time bounds what a
-        cancelled or lease-lapsed post can still land to that one handle, over every transport."""
+        """Post the next handles of ``post``, checking the lease and cancel set before each, until one is left in
+        flight (TCP) or none is left: a cancelled or lease-lapsed post lands at most that one, on any transport."""
         agent, pieces = self._agent, post.write.pieces
         while post.handle is None and post.stop is None and post.next_piece < len(pieces):
             post.stop = self._refusal(post, now)
@@ -358,20 +356,23 @@ class NixlEngine:
                 self._cancelled.pop(post_id, None)
 
     def _check_in_flight(self, now: float, done: list[Any]) -> None:
-        still = []
-        for post in self._in_flight:
-            post.stop = post.stop or self._refusal(post, now)
-            if post.handle is not None and not self._pending(post, post.handle):
-                post.handle = None
-                self._advance(post, now)
-            if post.handle is None:
-                self._finish(post, post.stop, done)
-            elif now > post.deadline:
-                self._finish(post, TransferTimeout(
-                    f"post {post.post_id}: not done after {post.timeout_s:.1f}s (peer stopped?)"), done)
-            else:
-                still.append(post)
-        self._in_flight = still
+        still, posts, i = [], self._in_flight, 0
+        try:
+            for i, post in enumerate(posts):  # noqa: B007 (read in the finally below)
+                post.stop = post.stop or self._refusal(post, now)
+                if post.handle is not None and not self._pending(post, post.handle):
+                    post.handle = None
+                    self._advance(post, now)
+                if post.handle is None:
+                    self._finish(post, post.stop, done)
+                elif now > post.deadline:
+                    self._finish(post, TransferTimeout(
+                        f"post {post.post_id}: not done after {post.timeout_s:.1f}s (peer stopped?)"), done)
+                else:
+                    still.append(post)
+            i = len(posts)
+        finally:  # (raising midway, what it finished is no longer in flight: close settled such a post twice)
+            self._in_flight = still + posts[i:]
         if self._retired:
             self._retire_drained()
 
@@ -392,8 +393,7 @@ class NixlEngine:
             log.warning("release_xfer_handle failed", exc_info=True)
 
     def _finish(self, post: PostCmd, error: BaseException | None, done: list[Any]) -> None:
-        """Report the post once. Handles still in flight (only past the deadline or at close) are
-        parked: polled and released once they complete or fail (see the module docstring)."""
+        """Report the post once. A handle still in flight (past the deadline or at close) is parked."""
         if post.handle is not None:
             self._parked.append((post.peer, post.handle))
             post.handle = None

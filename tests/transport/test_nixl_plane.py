@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asynckv.errors import PeerUnreachable, TransferTimeout
+from asynckv.errors import ClosedError, PeerUnreachable, TransferTimeout
 from asynckv.proto.topology import metadata_agent_name, stub_agent_metadata
 from asynckv.transport.base import DescPiece, MemoryLayout, PreppedPiece, Write
 from asynckv.transport.nixl import NixlDataPlane
@@ -485,3 +485,54 @@ async def test_a_settle_handler_that_raises_does_not_hold_back_a_dead_threads_or
     await until(lambda: [p for p, _ in settled] == [2])  # before close: the held post settled (failed)
     assert isinstance(settled[0][1], Exception) and "engine thread died" in str(settled[0][1])
     await plane.close()
+
+
+async def test_a_close_whose_shutdown_raises_early_parks_what_is_in_flight_and_keeps_the_agent() -> None:
+    """Found by review: the posts settled, but their running handles were neither parked nor kept, so the
+    agent could be torn down under them (the crash the parking exists to prevent)."""
+    from asynckv.transport import agent as agent_module
+
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    for post_id in (1, 2):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 2)
+
+    def forget(peer: str, done: list[Any]) -> None:
+        raise RuntimeError("forget failed")
+    plane._forget = forget  # type: ignore[method-assign]
+    kept = len(agent_module._KEPT_UNTIL_EXIT)
+    await asyncio.wait_for(plane.close(), 10)
+    await asyncio.sleep(0.05)
+    assert sorted(p for p, _ in settled) == [1, 2] and all(isinstance(e, ClosedError) for _, e in settled)
+    assert len(plane._parked) == 2 and not agent.released & {h for _, h in plane._parked}
+    assert any(k[0] is agent for k in agent_module._KEPT_UNTIL_EXIT[kept:])
+
+
+async def test_a_close_that_raises_while_checking_posts_settles_each_once() -> None:
+    """Found by review: a post close had finished stayed in flight when the check raised midway, so
+    it settled twice (once from close, once from the next engine round)."""
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    for post_id in (1, 2):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 2)
+    releases = {"closing": False, "n": 0}
+    real_shutdown, real_release = plane._shutdown, agent.release_xfer_handle
+
+    def shutdown() -> None:
+        releases["closing"] = True
+        agent.done.update(p.handle for p in plane._in_flight)  # both complete while close waits
+        real_shutdown()
+    plane._shutdown = shutdown  # type: ignore[method-assign]
+
+    def release(h: int) -> None:
+        if releases["closing"]:
+            releases["n"] += 1
+            if releases["n"] == 2:
+                raise SystemExit("a binding's bug on the second release")
+        real_release(h)
+    agent.release_xfer_handle = release  # type: ignore[method-assign]
+    await asyncio.wait_for(plane.close(), 10)
+    await asyncio.sleep(0.05)
+    assert sorted(p for p, _ in settled) == [1, 2], settled
