@@ -85,7 +85,9 @@ async def test_partition_is_detected_and_fails_rooms_on_both_sides(netns: tuple[
                 print(f"partition detected after {detection:.2f} s")
                 assert results == [KVPoll.Failed] * len(receivers)
                 assert all("unheard for" in (rv.failure_reason or "") for rv, _, _ in receivers)
-                assert detection <= 5.0
+                # Due after 3.5 s of silence (heartbeat interval x max failures). The bound leaves room for a VM
+                # that stalls for seconds (6.5 s seen in CI) and still fails a detection that waits for a 30 s timeout.
+                assert detection <= 10.0, detection
                 pool.kv[:] = 7  # pages handed back and reused
                 assert await asyncio.wait_for(proc.wait(), 30) != 0  # its write leases ran out: its rooms failed
                 assert (pool.kv == 7).all(), "a partitioned prefill kept writing into pages handed back"
