@@ -14,10 +14,12 @@ from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["WIRES", "Config"]
+__all__ = ["CONTROL_TRANSPORTS", "WIRES", "Config"]
 
 WIRES = ("asynckv", "sglang-0.5.10")
 """The wire protocols a manager can speak."""
+CONTROL_TRANSPORTS = ("zmq", "stream")
+"""What can carry control messages (``Config.control_transport``)."""
 
 # Reference-connector variables honoured where they map one to one (the ASYNCKV_ name wins).
 _LEGACY_ENV: dict[str, str] = {
@@ -46,7 +48,8 @@ class Config:
     handshake_timeout_s: float = 30.0
     """Decode: longest wait for a prefill instance to be fully registered and to accept us."""
     send_timeout_s: float = 5.0
-    """Longest wait to hand one control message to ZMQ."""
+    """Longest wait to hand one control message to its transport (a full queue, a connection that
+    cannot be opened)."""
     host_bootstrap: bool = True
     """Prefill: start an embedded bootstrap server when none answers at bootstrap_addr."""
     nixl_backend: str = "UCX"
@@ -129,6 +132,11 @@ class Config:
     """The protocol this manager speaks: ``"asynckv"`` (its own, between asynckv ranks) or
     ``"sglang-0.5.10"`` (SGLang 0.5.10's NIXL connector wire, to pair with stock SGLang ranks:
     see docs/interop.md). Also ASYNCKV_WIRE."""
+    control_transport: str = "zmq"
+    """What carries control messages: ``"zmq"`` (PUSH/PULL sockets) or ``"stream"`` (plain TCP
+    streams read by the event loop: a round trip in 0.4x the time and CPU of ZMQ's, see
+    docs/design-decisions.md, 18). Both sides of a pair must use the same one; the SGLang wire is
+    ZMQ's. Also ASYNCKV_CONTROL_TRANSPORT."""
     sglang_kv_cache_dtype: str = "auto"
     """On the SGLang wire: this rank's ``kv_cache_dtype`` as SGLang names and compares it (its
     ``--kv-cache-dtype``; ``"auto"`` is the model's dtype)."""
@@ -165,6 +173,11 @@ class Config:
             raise InvalidArgument("config host must not be empty")
         if self.wire not in WIRES:
             raise InvalidArgument(f"config wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
+        if self.control_transport not in CONTROL_TRANSPORTS:
+            raise InvalidArgument(f"config control_transport must be one of {', '.join(CONTROL_TRANSPORTS)}, "
+                                  f"got {self.control_transport!r}")
+        if self.wire != "asynckv" and self.control_transport != "zmq":
+            raise InvalidArgument(f"config wire {self.wire!r} is carried by ZMQ: control_transport must be 'zmq'")
         if self.wire != "asynckv" and self.auth_token:
             raise InvalidArgument(f"config wire {self.wire!r} cannot carry auth_token: stock SGLang ranks do not "
                                   f"authenticate (keep them on loopback, or isolate their network and set "

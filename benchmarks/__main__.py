@@ -37,7 +37,7 @@ FULL: dict[str, list[str]] = {"throughput": [], "small": [], "concurrency": [], 
                               "sglang_poll": [], "scaling": [], "hetero_tp": [], "control": [], "sim": [], "trace": []}
 SMOKE: dict[str, list[str]] = {
     "throughput": ["--sizes-mib", "0.0625", "1", "--reps", "1"],
-    "small": ["--pages", "1", "--reps", "5"],
+    "small": ["--pages", "1", "--reps", "5", "--rounds", "1"],
     "concurrency": ["--rooms", "40", "--inflight", "20"],
     "kernels": ["--pages", "64", "--layers", "2"],
     "idle": ["--seconds", "0.3", "--rooms", "10"],

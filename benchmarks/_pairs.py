@@ -169,7 +169,7 @@ async def decode_against_prefill_process(spec: Any, output: list[str] | None = N
     async with BootstrapServer("127.0.0.1", 0) as server:
         spec = dataclasses.replace(spec, bootstrap=server.addr)
         async with PeerProcess.start_ctx("prefill", spec) as prefill:
-            async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config()) as d:
+            async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config.from_env()) as d:
                 await d.prefill_instance(server.addr)
                 yield d, spec, pool
             code = await prefill.wait(60)

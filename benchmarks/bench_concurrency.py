@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -63,23 +64,28 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser.add_argument("--rooms", type=int, default=5000)
     parser.add_argument("--inflight", type=int, default=1000)
     parser.add_argument("--child", choices=["asyncio", "uvloop"])
+    parser.add_argument("--transports", nargs="*", default=["zmq", "stream"], choices=["zmq", "stream"],
+                        help="control transports, each run with both loops (the children read it from "
+                             "ASYNCKV_CONTROL_TRANSPORT)")
     args = parser.parse_args(argv)
     if args.child:
         child(args.child, args.rooms, args.inflight)
         return {}
     print(f"Q3 {args.inflight} rooms in flight ({args.rooms} rooms, decode and prefill in separate processes):")
     rows = []
-    for loop in ("asyncio", "uvloop"):
+    for transport, loop in ((t, lp) for t in args.transports for lp in ("asyncio", "uvloop")):
         out = subprocess.run([sys.executable, "-m", "benchmarks.bench_concurrency", "--child", loop, "--rooms",
                               str(args.rooms), "--inflight", str(args.inflight)], capture_output=True, text=True,
-                             cwd=pathlib.Path(__file__).parent.parent, timeout=600)
+                             cwd=pathlib.Path(__file__).parent.parent, timeout=600,
+                             env={**os.environ, "ASYNCKV_CONTROL_TRANSPORT": transport})
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             raise RuntimeError(f"{loop} run failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-        row = {"loop": loop, **json.loads(line[7:])}
+        row = {"loop": loop, "control_transport": transport, **json.loads(line[7:])}
         rows.append(row)
-        print(f"  {loop:8s}: {row['rooms_per_s']:7.0f} rooms/s, latency p50 {row['latency_p50_ms']:7.1f} ms "
-              f"p99 {row['latency_p99_ms']:7.1f} ms, decode loop lag p99 {row['loop_lag_p99_ms']:.2f} ms "
+        print(f"  {transport:6s} {loop:8s}: {row['rooms_per_s']:7.0f} rooms/s, latency p50 "
+              f"{row['latency_p50_ms']:7.1f} ms p99 {row['latency_p99_ms']:7.1f} ms, decode loop lag p99 "
+              f"{row['loop_lag_p99_ms']:.2f} ms "
               f"(steady state {row['steady_loop_lag_p99_ms']:.2f}, max {row['loop_lag_max_ms']:.1f}), prefill "
               f"(uvloop) p99 {row['prefill_loop_lag_p99_ms']:.2f} ms (steady state "
               f"{row['prefill_steady_loop_lag_p99_ms']:.2f}); CPU per room: loop "

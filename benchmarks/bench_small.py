@@ -2,13 +2,15 @@
 (1 to 16 pages), asynckv against raw NIXL doing one WRITE plus a notification per request.
 
 One request at a time, in one process, 32 KiB pages in two entries. asynckv's latency is
-a whole room: destination sent, WRITE, status back, both waits resolved. Target: median
-added latency at most 1 ms on this 2-core machine.
+a whole room: destination sent, WRITE, status back, both waits resolved; measured with each
+control transport (ZMQ, the default, and plain TCP streams), pairs of both alternating in one
+run. Target: median added latency at most 1 ms on this 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import pathlib
 import sys
 import time
@@ -19,11 +21,13 @@ from ._common import write_result
 from ._pairs import RawNixl, pair, room, run
 
 ITEM = 32 * 1024
+TRANSPORTS = ("zmq", "stream")
 
 
-async def measure(page_counts: list[int], reps: int) -> list[dict[str, object]]:
-    rows = []
-    async with pair(2, 64, ITEM) as (p, d):
+async def session(transport: str, page_counts: list[int], reps: int,
+                  samples: dict[tuple[str, int], list[float]], elapsed: dict[tuple[str, int], float]) -> None:
+    """One pair on one control transport: ``reps`` rooms per page count, and as many raw WRITEs."""
+    async with pair(2, 64, ITEM, control_transport=transport) as (p, d):
         ppool, dpool = p._bench_pools  # type: ignore[attr-defined]
         raw = RawNixl(ppool, dpool)
         room_id = 1
@@ -33,37 +37,53 @@ async def measure(page_counts: list[int], reps: int) -> list[dict[str, object]]:
                 for _ in range(20):  # warm-up
                     await room(p, d, room_id, src, dst)
                     room_id += 1
-                kv, rw = [], []
-                t_kv = time.perf_counter()
+                t = time.perf_counter()
                 for _ in range(reps):
-                    kv.append(await room(p, d, room_id, src, dst))
+                    samples[transport, n].append(await room(p, d, room_id, src, dst))
                     room_id += 1
-                t_kv = time.perf_counter() - t_kv
-                t_rw = time.perf_counter()
+                elapsed[transport, n] += time.perf_counter() - t
                 for _ in range(reps):
-                    rw.append(raw.write(src, dst, notif=b"done"))
-                t_rw = time.perf_counter() - t_rw
-                k50, k99 = np.percentile(kv, [50, 99]) * 1e3
-                r50, r99 = np.percentile(rw, [50, 99]) * 1e3
-                rows.append({"pages": n, "asynckv_p50_ms": k50, "asynckv_p99_ms": k99, "raw_p50_ms": r50,
-                             "raw_p99_ms": r99, "added_p50_ms": k50 - r50, "asynckv_rps": reps / t_kv,
-                             "raw_rps": reps / t_rw})
-                print(f"  {n:3d} pages: asynckv p50 {k50:6.3f} ms p99 {k99:6.3f} ms ({reps / t_kv:6.0f} req/s); "
-                      f"raw WRITE+notif p50 {r50:6.3f} ms p99 {r99:6.3f} ms; added {k50 - r50:+.3f} ms", flush=True)
+                    samples["raw", n].append(raw.write(src, dst, notif=b"done"))
         finally:
             raw.close()
+
+
+async def measure(page_counts: list[int], reps: int, rounds: int) -> list[dict[str, object]]:
+    """Both control transports in turn (``rounds`` pairs each, the first of each round
+    alternating), ``reps`` rooms per page count and pair; percentiles over all of a transport's rooms."""
+    samples: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    elapsed: dict[tuple[str, int], float] = collections.defaultdict(float)
+    for r in range(rounds):
+        for transport in TRANSPORTS[::1 if r % 2 == 0 else -1]:
+            await session(transport, page_counts, reps, samples, elapsed)
+    rows = []
+    for n in page_counts:
+        r50, r99 = np.percentile(samples["raw", n], [50, 99]) * 1e3
+        row: dict[str, object] = {"pages": n, "raw_p50_ms": r50, "raw_p99_ms": r99}
+        line = f"  {n:3d} pages: raw WRITE+notif p50 {r50:6.3f} ms p99 {r99:6.3f} ms"
+        for transport in TRANSPORTS:
+            k50, k99 = np.percentile(samples[transport, n], [50, 99]) * 1e3
+            rps = len(samples[transport, n]) / elapsed[transport, n]
+            prefix = "asynckv" if transport == "zmq" else transport
+            row.update({f"{prefix}_p50_ms": k50, f"{prefix}_p99_ms": k99, f"{prefix}_rps": rps,
+                        f"{'added' if transport == 'zmq' else transport + '_added'}_p50_ms": k50 - r50})
+            line += f"; {transport} p50 {k50:6.3f} ms p99 {k99:6.3f} ms ({rps:5.0f} req/s, added {k50 - r50:+.3f})"
+        rows.append(row)
+        print(line, flush=True)
     return rows
 
 
 def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pages", type=int, nargs="*", default=[1, 4, 16])
-    parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    print("Q2 small-request latency (asynckv room vs raw WRITE + notification):")
-    rows = run(measure(args.pages, args.reps))
+    print("Q2 small-request latency (asynckv room, ZMQ and stream control, vs raw WRITE + notification):")
+    rows = run(measure(args.pages, args.reps, args.rounds))
     result = {"question": __doc__.strip().splitlines()[0], "rows": rows,
-              "max_added_p50_ms": max(float(r["added_p50_ms"]) for r in rows)}  # type: ignore[arg-type]
+              "max_added_p50_ms": max(float(r["added_p50_ms"]) for r in rows),  # type: ignore[arg-type]
+              "stream_max_added_p50_ms": max(float(r["stream_added_p50_ms"]) for r in rows)}  # type: ignore[arg-type]
     write_result("small_requests", result, out_dir)
     return result
 

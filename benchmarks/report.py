@@ -26,9 +26,12 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     sm = _load(out, "small_requests")
     if sm:
         for r in sm["rows"]:
-            lines.append(f"| Q2 {r['pages']}-page request p50 / p99 | {r['asynckv_p50_ms']:.2f} / "
-                         f"{r['asynckv_p99_ms']:.2f} ms, {r['asynckv_rps']:.0f} req/s | raw WRITE+notif "
-                         f"{r['raw_p50_ms']:.3f} / {r['raw_p99_ms']:.3f} ms | +{r['added_p50_ms']:.2f} ms | "
+            stream = (f"; stream control {r['stream_p50_ms']:.2f} / {r['stream_p99_ms']:.2f} ms, "
+                      f"{r['stream_rps']:.0f} req/s" if "stream_p50_ms" in r else "")
+            added = f" (stream +{r['stream_added_p50_ms']:.2f} ms)" if "stream_added_p50_ms" in r else ""
+            lines.append(f"| Q2 {r['pages']}-page request p50 / p99 | ZMQ control {r['asynckv_p50_ms']:.2f} / "
+                         f"{r['asynckv_p99_ms']:.2f} ms, {r['asynckv_rps']:.0f} req/s{stream} | raw WRITE+notif "
+                         f"{r['raw_p50_ms']:.3f} / {r['raw_p99_ms']:.3f} ms | +{r['added_p50_ms']:.2f} ms{added} | "
                          f"<= +1 ms |")
     cc = _load(out, "concurrency")
     if cc:
@@ -40,7 +43,8 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                            f"{r['prefill_steady_loop_lag_p99_ms']:.2f})")
             cpu = (f"; loop CPU per room: decode {r['decode_loop_cpu_ms_per_room']:.3f} ms, prefill "
                    f"{r['prefill_loop_cpu_ms_per_room']:.3f} ms" if "prefill_loop_cpu_ms_per_room" in r else "")
-            lines.append(f"| Q3 {r['inflight']} rooms in flight, {r['loop']} | {r['rooms_per_s']:.0f} rooms/s, "
+            lines.append(f"| Q3 {r['inflight']} rooms in flight, {r['loop']}, {r.get('control_transport', 'zmq')} "
+                         f"control | {r['rooms_per_s']:.0f} rooms/s, "
                          f"p50 {r['latency_p50_ms']:.0f} / p99 {r['latency_p99_ms']:.0f} ms{cpu} | loop lag p99: "
                          f"decode {r['loop_lag_p99_ms']:.2f} ms{prefill} | | lag <= 5 ms, >= 5,000 rooms/s |")
     kn = _load(out, "kernels")

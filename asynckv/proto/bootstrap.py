@@ -19,6 +19,7 @@ import hmac
 import reprlib
 from typing import Any
 
+from .endpoints import is_endpoint
 from .messages import PROTOCOL_VERSION
 
 __all__ = ["MAX_INT", "MAX_LEASE_KEY", "MAX_STR", "PayloadError", "PrefillRank", "RankTable", "RouteConflict",
@@ -58,7 +59,7 @@ class PrefillRank:
     dp_size: int
     dp_rank: int
     endpoint: str
-    """The rank's control endpoint, ``tcp://host:port``."""
+    """The rank's control endpoint, ``tcp://host:port`` (ZMQ) or ``stream://host:port``."""
     agent_id: str
     """NIXL agent name; changes with every process start (the incarnation)."""
     page_size: int
@@ -102,8 +103,8 @@ class PrefillRank:
                 raise PayloadError(f"{idx}={values[idx]} not in [0, {size}={values[size]})")
         if values["page_size"] <= 0:
             raise PayloadError("page_size must be > 0")
-        if not values["endpoint"].startswith("tcp://"):
-            raise PayloadError("endpoint must look like tcp://host:port")
+        if not is_endpoint(values["endpoint"]):
+            raise PayloadError("endpoint must look like tcp://host:port or stream://host:port")
         return rank
 
 

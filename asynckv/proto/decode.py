@@ -119,7 +119,8 @@ class DecodeCore(RegistrationRules):
             return
         a = self.kv_args
         try:
-            check_compatible(result, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
+            check_compatible(result, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
+                             endpoint=self.endpoint)
         except LayoutMismatch as exc:
             for room in waiting:
                 self.fail(room, exc, now)

@@ -107,7 +107,7 @@ class Register(Message):
     lease_ms: int
     """How long after each grant (the RegisterResult, then every Pong) prefill may write into decode."""
     endpoint: str
-    """Decode control endpoint, ``tcp://host:port``, for replies and status."""
+    """Decode control endpoint, ``tcp://host:port`` or ``stream://host:port``, for replies and status."""
     engine_rank: int
     tp_size: int
     page_size: int

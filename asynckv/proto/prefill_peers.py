@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import AsyncKVError, PeerRestarted, PeerUnreachable
 from .actions import ConnectPeer, DisconnectPeer, ForgetEndpoint, PeerDown, PeerUp, Send, SetLease
 from .core import Core
+from .endpoints import is_endpoint
 from .messages import Bye, Ping, Pong, Register, RegisterResult
 from .sender import DecodePeer, PeerPhase, SenderRoom
 from .topology import PeerPlan, plan_peer
@@ -207,5 +208,5 @@ class PeerRules(Core):
         body = body or {}
         endpoint, decode_id, session = body.get("endpoint"), body.get("decode_id"), body.get("session", 0)
         if msg_type == Register.TYPE and isinstance(endpoint, str) and isinstance(decode_id, str) \
-                and endpoint.startswith("tcp://") and type(session) is int and session >= 0:
+                and is_endpoint(endpoint) and type(session) is int and session >= 0:
             self._emit(Send(endpoint, RegisterResult(self.name, decode_id, session, False, reason), transient=True))

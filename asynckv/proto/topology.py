@@ -27,6 +27,7 @@ import numpy.typing as npt
 from ..errors import LayoutMismatch, RemoteProtocolError
 from ..layout import KVArgs, entry_keys
 from .bootstrap import PayloadError, PrefillRank
+from .endpoints import transport_of
 from .messages import PROTOCOL_VERSION, Register
 from .registration import check_pool_size, check_registration, check_tp
 
@@ -108,12 +109,17 @@ class TargetPlan:
         return sum(1 for t in self.targets if not t.is_dummy)
 
 
-def check_compatible(instance: PrefillInstance, *, page_size: int, kv_dtype: str, is_mla: bool) -> None:
-    """Refuse a prefill instance whose geometry differs from ours, naming both values."""
-    for name, theirs, ours in (("protocol version", instance.protocol_version, PROTOCOL_VERSION),
-                               ("page_size", instance.page_size, page_size),
-                               ("kv_dtype", instance.kv_dtype, kv_dtype),
-                               ("is_mla", instance.is_mla, is_mla)):
+def check_compatible(instance: PrefillInstance, *, page_size: int, kv_dtype: str, is_mla: bool,
+                     endpoint: str = "") -> None:
+    """Refuse a prefill instance whose geometry differs from ours, naming both values; with our
+    ``endpoint``, also one whose ranks listen on another control transport."""
+    checks: list[tuple[str, object, object]] = [
+        ("protocol version", instance.protocol_version, PROTOCOL_VERSION), ("page_size", instance.page_size, page_size),
+        ("kv_dtype", instance.kv_dtype, kv_dtype), ("is_mla", instance.is_mla, is_mla)]
+    if endpoint:
+        used = ", ".join(sorted({str(transport_of(r.endpoint)) for r in instance.ranks.values()}))
+        checks.append(("control_transport", used, transport_of(endpoint)))
+    for name, theirs, ours in checks:
         if theirs != ours:
             raise LayoutMismatch(f"{name} mismatch: prefill has {theirs!r}, decode has {ours!r}")
 

@@ -73,7 +73,8 @@ class DecodeService(ReceiverPump):
             return cached
         instance = await self.http.fetch_instance(addr, self.config.handshake_timeout_s)
         a = self.core.kv_args
-        check_compatible(instance, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla)
+        check_compatible(instance, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
+                         endpoint=self.core.endpoint)
         self.feed("topology_fetched", addr, instance)
         return instance
 

@@ -24,6 +24,7 @@ from ..layout import KVArgs
 from ..proto.auth import PROTECTED_MODE_REASON, Authenticator, is_loopback
 from ..proto.bootstrap import PrefillRank
 from ..proto.decode import DecodeCore, random_sessions
+from ..proto.endpoints import endpoint_host
 from ..proto.liveness import PeerState
 from ..proto.messages import Message, Register, RegisterResult, VersionMismatch
 from ..proto.messages import decode as decode_message
@@ -34,10 +35,11 @@ from ..proto.sglang import encode_message as encode_sglang
 from ..proto.sglang_decode import SglangDecodeCore
 from ..proto.sglang_prefill import SglangPrefillCore
 from ..proto.topology import PrefillInstance
-from ..transport.base import DataPlane
+from ..transport.base import ControlPlane, DataPlane
 from ..transport.control import ControlChannel
 from ..transport.lanes import LanedDataPlane
 from ..transport.nixl import NixlDataPlane
+from ..transport.stream import StreamChannel
 from . import metrics
 from .bootstrap import BootstrapClient, BootstrapServer, split_addr
 from .decode import DecodeService, ReceiverPump
@@ -86,7 +88,7 @@ class KVManager:
         """Makes this manager's data plane at ``start()`` (``asynckv.testing`` swaps in fakes)."""
         self._svc: PrefillService | DecodeService | SglangDecodeService | None = None
         self._data: DataPlane | None = None
-        self._control: ControlChannel | None = None
+        self._control: ControlPlane | None = None
         self.sglang = self.config.wire != "asynckv"
         """Speaks SGLang 0.5.10's wire (``Config.wire``), to pair with stock SGLang ranks."""
         self._http = SglangBootstrapClient(self.config.http_timeout_s) if self.sglang \
@@ -138,7 +140,7 @@ class KVManager:
             self._svc.use_data_plane(data)
 
     @property
-    def control(self) -> ControlChannel:
+    def control(self) -> ControlPlane:
         if self._control is None:
             raise ClosedError("KVManager is not started")
         return self._control
@@ -181,9 +183,10 @@ class KVManager:
         metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill))
         auth = Authenticator(cfg.auth_token) if cfg.auth_token else None
         codec = (decode_frames, encode_sglang) if self.sglang else (decode_message, encode_message)
-        control = self._control = ControlChannel(cfg.host, self._on_message, self._on_version_mismatch,
-                                                 cfg.send_timeout_s, auth, loopback_only=cfg.protected,
-                                                 on_refused=self._on_refused, codec=codec, one_frame=not self.sglang)
+        channel = StreamChannel if cfg.control_transport == "stream" else ControlChannel
+        control = self._control = channel(cfg.host, self._on_message, self._on_version_mismatch,
+                                          cfg.send_timeout_s, auth, loopback_only=cfg.protected,
+                                          on_refused=self._on_refused, codec=codec, one_frame=not self.sglang)
         endpoint = await control.start()
         if prefill:
             core = (SglangPrefillCore if self.sglang else PrefillCore)(self.name, endpoint, self.kv_args, cfg)
@@ -318,8 +321,7 @@ class KVManager:
         control = self._control
         if control is None or self.mode is not Mode.PREFILL or not isinstance(msg, Register):
             return
-        host = msg.endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-        if host == origin:
+        if endpoint_host(msg.endpoint) == origin:
             control.send(msg.endpoint, RegisterResult(self.name, msg.decode_id, msg.session, False,
                                                       PROTECTED_MODE_REASON), transient=True)
 

@@ -23,45 +23,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from ..errors import RemoteProtocolError
-from ..proto.auth import PROTECTED_MODE_REASON, Authenticator, AuthError, is_loopback
-from ..proto.messages import Message, VersionMismatch, decode, encode, pack, unpack
+from ..proto.endpoints import transport_of
+from .channel import MAX_MESSAGE_BYTES, READ_BATCH, TRANSIENT_PER_S, TRANSIENT_SOCKETS, ChannelBase, log
 from .ratelimit import RateLimitedLog
 
-__all__ = ["ControlChannel", "RateLimitedLog"]
+__all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS", "ControlChannel",
+           "RateLimitedLog"]
 
-log = logging.getLogger("asynckv.control")
-
-MAX_MESSAGE_BYTES = 129 * 1024 * 1024
-"""ZMQ refuses (and disconnects the sender of) a larger frame: a message is one frame, and the largest
-a peer may send is a destination with two 64 MiB page arrays (messages.py caps each part by type)."""
 LINGER_MS = 1000
 """How long ZMQ keeps trying to deliver queued frames after a socket is closed."""
-TRANSIENT_SOCKETS = 32
-"""Sockets kept open for replies to endpoints nobody vouched for (the least recently used goes)."""
-TRANSIENT_PER_S = 50.0
-"""Such replies per second at most (a burst of as many): beyond, they are dropped and counted, so
-messages naming made-up endpoints cannot open sockets (file descriptors) without bound."""
-READ_BATCH = 2
-"""The reader hands the event loop back after this many messages in a row (it reads what ZMQ has
-queued without waiting: a flood would otherwise hold the loop for seconds). Each message can
-wake a waiting task, and the loop runs all of them in its next round, so this bounds how much
-work one round of reads starts. With 1,000 rooms in flight (Q3, uvloop, interleaved runs): 16 -> 4
-took decode's loop lag p99 from 12.1 to 4.4 ms and prefill's from 35 to 21 ms; with settles also
-taken a few per round (``Outbox``), 4 -> 2 took them from 4.5 to 2.6 ms and 9.2 to 6.7 ms
-(medians of 10 runs each), rooms/s 0.96x (1,485 -> 1,425): within the noise, as two identical
-configurations interleaved the same way differed by 5-24% in their medians. 1 had cost 18% (a
-loop round per message)."""
-
-
 @dataclasses.dataclass(eq=False)
 class _Peer:
     sock: zmq.asyncio.Socket
@@ -89,35 +64,15 @@ def _running(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
-class ControlChannel:
+class ControlChannel(ChannelBase):
     """Receives control messages on one bound PULL socket and sends to peers' endpoints, in order."""
 
-    def __init__(self, host: str, on_message: Callable[[Any], None],
-                 on_version_mismatch: Callable[[VersionMismatch], None] | None = None,
-                 send_timeout_s: float = 5.0, auth: Authenticator | None = None, loopback_only: bool = False,
-                 on_refused: Callable[[Message, str], None] | None = None,
-                 codec: tuple[Callable[[list[bytes]], Any], Callable[[Any], list[bytes]]] = (decode, encode),
-                 one_frame: bool = True) -> None:
-        self._host = host
-        self._decode, self._encode = codec
-        """Frames to a message and back: asynckv's own wire, or another one (SGLang's)."""
-        self._one_frame = one_frame
-        """Send each message as one frame (``messages.pack``: asynckv's wire); else as a multipart
-        message, one frame per part (SGLang's). Either is read."""
-        self._on_message = on_message
-        self._on_version_mismatch = on_version_mismatch
-        self._send_timeout_s = send_timeout_s
-        self._auth = auth
-        self._loopback_only = loopback_only
-        """Protected mode: drop whatever does not come from loopback."""
-        self._on_refused = on_refused
-        """Told of a decodable message refused for its origin (with the origin address)."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._peers: dict[str, _Peer] = {}
         self._transient: collections.OrderedDict[str, zmq.asyncio.Socket] = collections.OrderedDict()
-        self._reply_tokens = TRANSIENT_PER_S
-        self._reply_refill = time.monotonic()
         self._sync: zmq.Socket[bytes] | None = None
         """The PULL socket without the asyncio wrapper: the reader reads it directly."""
         self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
@@ -127,11 +82,6 @@ class ControlChannel:
         self._resume: asyncio.Handle | None = None
         """The reader's next turn, when it stopped with messages left (ZMQ's fd would not say so)."""
         self._closed = False
-        self.endpoint = ""
-        self.received = 0
-        self.dropped: collections.Counter[str] = collections.Counter()
-        self.send_failures = 0
-        self._rl = RateLimitedLog(log)
 
     @property
     def reader_alive(self) -> bool:
@@ -244,65 +194,6 @@ class ControlChannel:
             frames += sync.recv_multipart(zmq.NOBLOCK)
         return frames, str(first.get("Peer-Address")) if self._loopback_only else None
 
-    def _handle(self, frames: list[bytes], origin: str | None = None) -> None:
-        """Open, decode and hand on one message; ``origin``: its TCP peer address, when it matters."""
-        if origin is not None and not is_loopback(origin):
-            self.dropped["not_loopback"] += 1
-            self._rl.warning("not_loopback", "control: refused message from %s: %s", origin, PROTECTED_MODE_REASON)
-            self._refused(frames, origin)
-            return
-        if self._auth is not None:
-            if self._one_frame and len(frames) == 1:  # (the trailer is a part: open needs the parts; the
-                try:                                  # codec's decode takes a packed frame as it is)
-                    frames = unpack(frames[0])
-                except RemoteProtocolError as exc:
-                    self.dropped["malformed"] += 1
-                    self._rl.warning("malformed", "control: dropped malformed message: %s", exc)
-                    return
-            try:
-                # Freshness needs a clock shared across hosts: the one wall-clock read (see proto.auth).
-                frames = self._auth.open(frames, self.endpoint, time.time_ns())
-            except AuthError as exc:
-                self.dropped[f"auth_{exc.kind}"] += 1
-                self._rl.warning("auth", "control: refused message: %s", exc)
-                return
-        try:
-            msg = self._decode(frames)
-        except VersionMismatch as exc:
-            self.dropped["version"] += 1
-            self._rl.warning("version", "control: dropped message: %s", exc)
-            if self._on_version_mismatch is not None:
-                try:
-                    self._on_version_mismatch(exc)
-                except Exception:
-                    log.exception("control: version-mismatch handler failed")
-            return
-        except RemoteProtocolError as exc:
-            self.dropped["malformed"] += 1
-            self._rl.warning("malformed", "control: dropped malformed message: %s", exc)
-            return
-        except Exception as exc:  # a decoder bug must not kill the reader either
-            self.dropped["malformed"] += 1
-            self._rl.warning("malformed", "control: dropped undecodable message: %r", exc)
-            return
-        try:
-            self._on_message(msg)
-        except Exception:
-            self.dropped["handler"] += 1
-            log.exception("control: handler failed for %s", type(msg).__name__)
-
-    def _refused(self, frames: list[bytes], origin: str) -> None:
-        if self._on_refused is None:
-            return
-        try:
-            msg = self._decode(frames)
-        except Exception:
-            return
-        try:
-            self._on_refused(msg, origin)
-        except Exception:
-            log.exception("control: refusal handler failed for %s", type(msg).__name__)
-
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, endpoint: str, msg: Any, transient: bool = False) -> None:
@@ -310,11 +201,11 @@ class ControlChannel:
         ``transient``: a reply to an endpoint nobody vouched for (see ``_send_transient``)."""
         if self._closed or self._ctx is None:
             return
-        frames = self._encode(msg)
-        if self._auth is not None:
-            frames = self._auth.seal(frames, endpoint, time.time_ns())
-        if self._one_frame:
-            frames = [pack(frames)]
+        if transport_of(endpoint) != "zmq":
+            self._failed(endpoint, type(msg).__name__, ValueError(
+                "that endpoint is not a ZMQ endpoint: both sides must use the same control_transport"))
+            return
+        frames = self._frames(endpoint, msg)
         if transient and endpoint not in self._peers:
             self._send_transient(endpoint, type(msg).__name__, frames)
             return
@@ -356,15 +247,8 @@ class ControlChannel:
         """Best effort, bounded: at most ``TRANSIENT_PER_S`` replies a second through at most
         ``TRANSIENT_SOCKETS`` sockets (a ping naming a new made-up endpoint each time opened a
         socket for good: 1,022 of them, then every send failed with 'Too many open files')."""
-        now = time.monotonic()
-        self._reply_tokens = min(TRANSIENT_PER_S, self._reply_tokens + (now - self._reply_refill) * TRANSIENT_PER_S)
-        self._reply_refill = now
-        if self._reply_tokens < 1:
-            self.dropped["reply_limited"] += 1
-            self._rl.warning("reply_limited", "control: dropped a %s reply to %s (replies to unknown "
-                             "endpoints are rate limited)", what, endpoint)
+        if not self._reply_allowed(endpoint, what):
             return
-        self._reply_tokens -= 1
         sock = self._transient.pop(endpoint, None) or self._connect(endpoint)
         self._transient[endpoint] = sock
         while len(self._transient) > TRANSIENT_SOCKETS:
@@ -390,11 +274,6 @@ class ControlChannel:
             peer.drain = None
             if peer.forgotten:
                 peer.sock.close(linger=LINGER_MS)
-
-    def _failed(self, endpoint: str, what: str, exc: BaseException) -> None:
-        self.send_failures += 1
-        self.dropped["send_failed"] += 1
-        self._rl.warning("send", "control: could not send %s to %s: %r", what, endpoint, exc)
 
     def forget(self, endpoint: str) -> None:
         """Close the socket to a peer that went away, once what was queued for it left."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -12,6 +13,20 @@ import pytest
 
 from asynckv import Config, KVManager, KVPoll, Mode
 from asynckv.testing import KVPool, fill_aux, fill_pages, verify_aux, verify_pages
+
+CONTROL: dict[str, Any] = (
+    {"control_transport": os.environ["ASYNCKV_CONTROL_TRANSPORT"]} if "ASYNCKV_CONTROL_TRANSPORT" in os.environ else {})
+"""The control transport the managers built here use: the default, or ASYNCKV_CONTROL_TRANSPORT (so the
+integration tier runs on either; tests that speak raw ZMQ to a rank are marked ``zmq_wire``)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if CONTROL.get("control_transport", "zmq") == "zmq":
+        return
+    skip = pytest.mark.skip(reason="speaks raw ZMQ to a rank; the ranks here use another control transport")
+    for item in items:
+        if item.get_closest_marker("zmq_wire"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -57,7 +72,8 @@ class Pair:
 async def make_pair(entries: int = 4, pages: int = 64, item: int = 256, *, mla: bool = False,
                     page_size: int = 4, decode_fields: dict[str, Any] | None = None,
                     **config: Any) -> AsyncIterator[Pair]:
-    cfg = Config(**{"waiting_timeout_s": 30.0, "bootstrap_timeout_s": 30.0, **config})
+    control = CONTROL if config.get("wire", "asynckv") == "asynckv" else {}  # (SGLang's wire is ZMQ's)
+    cfg = Config(**{"waiting_timeout_s": 30.0, "bootstrap_timeout_s": 30.0, **control, **config})
     ppool = KVPool(entries, pages, item, aux_rows=16)
     dpool = KVPool(entries, pages, item, aux_rows=16)
     dargs = dpool.kv_args(**{"page_size": page_size, "is_mla": mla, **(decode_fields or {})})

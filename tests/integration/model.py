@@ -17,6 +17,8 @@ import numpy as np
 
 from asynckv import BootstrapServer, Config, KVArgs, KVManager, KVPoll, Mode
 
+from .conftest import CONTROL
+
 DTYPE = np.uint16
 
 
@@ -138,7 +140,7 @@ async def cluster(lay: Layout, **config: Any) -> AsyncIterator[tuple[list[Rank],
     # These tests check where bytes land, not liveness: a VM stalled for seconds (24 ranks and 48 engine
     # threads in one process) must not lapse a lease (10 s of silence here, not 3.5 s).
     cfg = Config(**{"waiting_timeout_s": 60, "bootstrap_timeout_s": 60, "host_bootstrap": False,
-                    "heartbeat_max_failures": 20, **config})
+                    "heartbeat_max_failures": 20, **CONTROL, **config})
     async with BootstrapServer("127.0.0.1", 0) as server, contextlib.AsyncExitStack() as stack:
         prefill = [build_rank(lay, lay.tp_prefill, tp, lay.pp_prefill, pp)
                    for pp in range(lay.pp_prefill) for tp in range(lay.tp_prefill)]

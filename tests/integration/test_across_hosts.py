@@ -26,7 +26,7 @@ from asynckv.transport.control import ControlChannel
 
 from .test_partition import HOST_IP, NS_IP
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.zmq_wire]
 
 TOKEN = "across-hosts-test-secret"
 SPEC = DemoSpec(layers=2, kv_heads=2, head_dim=16, page_size=4, min_pages=4, max_pages=12, chunk_pages=4, seed=9,

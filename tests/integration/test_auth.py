@@ -15,11 +15,12 @@ from asynckv.proto.auth import AUTH_HEADER, Authenticator
 from asynckv.proto.messages import Bye, Ping, Pong, encode
 
 from ..proto.test_bootstrap_table import rank
-from .conftest import make_pair, transfer_room
+from .conftest import CONTROL, make_pair, transfer_room
 
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.zmq_wire
 async def test_unauthenticated_and_replayed_messages_are_refused_and_counted() -> None:
     async with make_pair(auth_token="s3cret") as pair:
         control = pair.prefill.control
@@ -73,7 +74,7 @@ async def test_a_decode_without_the_secret_cannot_use_the_prefill() -> None:
         from asynckv.testing import KVPool
 
         pool = KVPool(4, 64, 256)
-        cfg = Config(auth_token="", handshake_timeout_s=1.0, waiting_timeout_s=5)
+        cfg = Config(**CONTROL, auth_token="", handshake_timeout_s=1.0, waiting_timeout_s=5)
         async with KVManager(Mode.DECODE, pool.kv_args(4), config=cfg) as intruder:
             receiver = intruder.receiver(pair.addr, 9)
             assert await receiver.init([1]) == KVPoll.Failed
@@ -81,6 +82,7 @@ async def test_a_decode_without_the_secret_cannot_use_the_prefill() -> None:
         assert pair.prefill.control.dropped["auth_missing"] >= 1
 
 
+@pytest.mark.zmq_wire
 async def test_a_message_sealed_for_one_prefill_is_refused_by_another() -> None:
     """A Bye that decode sealed for prefill P1, replayed to P2, must not end decode's session at P2
     (P2 then dropped decode's next room as unknown); nor may a replayed Pong renew a lease there."""

@@ -147,6 +147,7 @@ class LoopLag:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs /proc/self/clear_refs")
+@pytest.mark.zmq_wire
 async def test_a_register_claiming_10m_pages_is_refused_and_peak_rss_does_not_move() -> None:
     async with make_pair() as pair, peer_of(pair) as peer:
         reg = decode_register(pair, peer, pages=10_000_000)  # ~1 KB on the wire; 40M rows if believed
@@ -161,6 +162,7 @@ async def test_a_register_claiming_10m_pages_is_refused_and_peak_rss_does_not_mo
         assert await transfer_room(pair, 1, [1, 2], [3, 4]) == (KVPoll.Success, KVPoll.Success)
 
 
+@pytest.mark.zmq_wire
 async def test_registrations_build_their_rows_a_few_at_a_time_in_the_order_they_came() -> None:
     async with make_pair() as pair, peer_of(pair) as peer:
         builder = pair.prefill._svc.builder  # type: ignore[union-attr]
@@ -208,6 +210,7 @@ class PageChecks:
         return [thread for length, thread in self.calls if length == n]
 
 
+@pytest.mark.zmq_wire
 async def test_a_64mib_destination_is_checked_off_the_loop_and_an_abort_after_it_stays_after_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """It was checked on the loop (astype + sort: 0.66-0.84 s per message). Its peer is a fake one with
@@ -242,6 +245,7 @@ async def test_a_64mib_destination_is_checked_off_the_loop_and_an_abort_after_it
         assert threading.get_ident() not in threads, "the 64 MiB destination was checked on the event loop"
 
 
+@pytest.mark.zmq_wire
 async def test_a_64mib_destination_longer_than_the_pool_is_refused_without_a_sort(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused by its length alone (it was sorted first: 221-336 ms of loop). Asserted: no index check

@@ -23,7 +23,7 @@ from asynckv.proto.messages import (
 )
 
 from ..proto.samples import SAMPLES
-from .conftest import make_pair, transfer_room
+from .conftest import CONTROL, make_pair, transfer_room
 
 pytestmark = pytest.mark.integration
 
@@ -84,6 +84,7 @@ async def test_page_size_mismatch_is_refused_naming_both_values() -> None:
         assert receiver.failure_reason == "page_size mismatch: prefill has 4, decode has 8"
 
 
+@pytest.mark.zmq_wire
 async def test_item_size_mismatch_is_refused_at_registration() -> None:
     async with make_pair() as pair:
         # A decode whose pages are twice as large: same page_size, different bytes per page.
@@ -91,7 +92,7 @@ async def test_item_size_mismatch_is_refused_at_registration() -> None:
         from asynckv.testing import KVPool
 
         pool = KVPool(4, 64, 512)
-        async with KVManager(Mode.DECODE, pool.kv_args(4), config=Config(waiting_timeout_s=5)) as other:
+        async with KVManager(Mode.DECODE, pool.kv_args(4), config=Config(**CONTROL, waiting_timeout_s=5)) as other:
             receiver = other.receiver(pair.addr, 26)
             assert await receiver.init([1]) == KVPoll.Failed
             assert receiver.failure_reason == ("prefill refused registration: KV entry 0 item size mismatch: "
@@ -106,6 +107,7 @@ async def raw_decode_socket(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socke
     return pull, f"tcp://127.0.0.1:{port}"
 
 
+@pytest.mark.zmq_wire
 async def test_protocol_version_mismatch_is_refused_naming_both_versions() -> None:
     async with make_pair() as pair:
         ctx = zmq.asyncio.Context()
@@ -126,6 +128,7 @@ async def test_protocol_version_mismatch_is_refused_naming_both_versions() -> No
             ctx.term()
 
 
+@pytest.mark.zmq_wire
 async def test_garbage_is_dropped_counted_and_the_reader_lives_on() -> None:
     async with make_pair() as pair:
         ctx = zmq.asyncio.Context()

@@ -20,7 +20,7 @@ from asynckv.demo import DemoSpec
 from asynckv.service.writes import WriteBuilder
 from asynckv.testing import FaultInjector, KVPool, PeerProcess, fill_aux, fill_pages, inject, verify_pages
 
-from .conftest import Pair, make_pair, transfer_room
+from .conftest import CONTROL, Pair, make_pair, transfer_room
 from .test_process_faults import wait_registered
 
 pytestmark = pytest.mark.integration
@@ -104,7 +104,8 @@ async def test_4_a_pair_works_again_after_decode_stalled_past_the_heartbeat_boun
     async with BootstrapServer("127.0.0.1", 0) as server:
         spec = dataclasses.replace(spec, bootstrap=server.addr)
         async with PeerProcess.start_ctx("prefill", spec) as prefill, \
-                KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config(waiting_timeout_s=30)) as d:
+                KVManager(Mode.DECODE, pool.kv_args(spec.page_size),
+                          config=Config(**CONTROL, waiting_timeout_s=30)) as d:
             await wait_registered(server)
             plan = spec.plan()
             assert await _receive(d, server.addr, plan[0].room, plan[0].num_pages, pool, 0) == KVPoll.Success
@@ -219,7 +220,7 @@ async def test_12_closing_ranks_that_completed_never_fail_decode_rooms_tp2_to_tp
         async with BootstrapServer("127.0.0.1", 0) as server:
             dpool = KVPool(2, pages, item, aux_rows=4)
             ppools = [KVPool(2, pages, item // 2, aux_rows=4) for _ in range(2)]
-            cfg = Config(host_bootstrap=False, waiting_timeout_s=10)
+            cfg = Config(**CONTROL, host_bootstrap=False, waiting_timeout_s=10)
             prefills = [KVManager(Mode.PREFILL, ppools[r].kv_args(4, tp_size=2, engine_rank=r, kv_head_num=1,
                                                                   total_kv_head_num=heads),
                                   bootstrap_addr=server.addr, config=cfg) for r in range(2)]

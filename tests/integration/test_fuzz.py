@@ -37,7 +37,7 @@ from asynckv.transport.control import ControlChannel
 from ..proto.samples import SAMPLES
 from .conftest import Pair, make_pair, transfer_room
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.zmq_wire]
 
 
 def garbage(rng: np.random.Generator, i: int) -> list[bytes]:

@@ -20,9 +20,9 @@ from asynckv import KVPoll
 from asynckv.errors import InvalidArgument
 from asynckv.proto.messages import Register, RegisterResult, Status, decode, encode
 
-from .conftest import Pair, make_pair, transfer_room
+from .conftest import CONTROL, Pair, make_pair, transfer_room
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.zmq_wire]
 
 
 def _decode_register(pair: Pair) -> Register:
@@ -215,7 +215,7 @@ async def test_replies_to_made_up_endpoints_open_a_bounded_number_of_sockets() -
         assert control.dropped["reply_limited"] >= 1000 and control.send_failures == 0
         assert _open_fds() - fds < 3 * TRANSIENT_SOCKETS
         pool = KVPool(4, 64, 256, aux_rows=16)  # a decode that comes later still registers
-        async with KVManager(Mode.DECODE, pool.kv_args(4), config=Config(waiting_timeout_s=30)) as late:
+        async with KVManager(Mode.DECODE, pool.kv_args(4), config=Config(**CONTROL, waiting_timeout_s=30)) as late:
             receiver, sender = late.receiver(pair.addr, 40), pair.prefill.sender(40)
             assert await receiver.init([1, 2]) == KVPoll.WaitingForInput, receiver.failure_reason
             assert await sender.wait_ready(10) == KVPoll.WaitingForInput

@@ -29,7 +29,7 @@ from asynckv.proto.auth import AUTH_HEADER, Authenticator
 from asynckv.testing import KVPool, PeerProcess
 
 from ..proto.test_bootstrap_table import rank
-from .conftest import Pair, check_landed, make_pair, transfer_room
+from .conftest import CONTROL, Pair, check_landed, make_pair, transfer_room
 from .test_process_faults import SPEC, receive_all, wait_registered
 
 pytestmark = pytest.mark.integration
@@ -366,7 +366,8 @@ async def test_a_prefill_restarted_after_its_lease_lapsed_registers_and_serves()
         second = dataclasses.replace(spec, bootstrap=server.addr, seed=2)
         t = time.monotonic()
         async with PeerProcess.start_ctx("prefill", second) as restarted, \
-                KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config(waiting_timeout_s=60)) as d:
+                KVManager(Mode.DECODE, pool.kv_args(spec.page_size),
+                          config=Config(**CONTROL, waiting_timeout_s=60)) as d:
             await wait_registered(server, old)
             print(f"\nrestarted prefill registered {time.monotonic() - t:.2f} s after it started (lease 1.0 s)")
             results = await receive_all(d, second, pool, server.addr)  # verifies every page and aux row

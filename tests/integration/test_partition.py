@@ -19,6 +19,8 @@ from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
 from asynckv.demo import DemoSpec
 from asynckv.testing import KVPool, verify_pages
 
+from .conftest import CONTROL
+
 pytestmark = pytest.mark.integration
 
 _NET = f"10.231.{os.getpid() % 250}"  # a private /30 that exists only between our namespaces (one per run)
@@ -70,7 +72,7 @@ async def test_partition_is_detected_and_fails_rooms_on_both_sides(netns: tuple[
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:
             async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size),
-                                 config=Config(host=HOST_IP, waiting_timeout_s=60, auth_token=token)) as d:
+                                 config=Config(**CONTROL, host=HOST_IP, waiting_timeout_s=60, auth_token=token)) as d:
                 receivers = []
                 for i, r in enumerate(spec.plan()):
                     receiver = d.receiver(server.addr, r.room)

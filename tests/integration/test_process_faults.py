@@ -13,6 +13,8 @@ from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode, PeerUnreac
 from asynckv.demo import DemoSpec
 from asynckv.testing import KVPool, PeerProcess, fill_pages, verify_aux, verify_pages
 
+from .conftest import CONTROL
+
 pytestmark = pytest.mark.integration
 
 SPEC = DemoSpec(layers=2, kv_heads=2, head_dim=16, page_size=4, min_pages=4, max_pages=8, chunk_pages=2,
@@ -61,7 +63,8 @@ async def test_sigkill_prefill_with_50_rooms_in_flight_fails_every_room_fast() -
                                     seed=99)
         async with PeerProcess.start_ctx("prefill", spec) as prefill, \
                 PeerProcess.start_ctx("prefill", other) as healthy, \
-                KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config(waiting_timeout_s=60)) as d:
+                KVManager(Mode.DECODE, pool.kv_args(spec.page_size),
+                          config=Config(**CONTROL, waiting_timeout_s=60)) as d:
             await wait_registered(server)
             inited: list[int] = []
             receiving = asyncio.create_task(receive_all(d, spec, pool, server.addr, inited))
@@ -95,7 +98,8 @@ async def test_sigstop_prefill_fails_rooms_by_deadline_and_sigcont_writes_nothin
     async with BootstrapServer("127.0.0.1", 0) as server:
         spec = dataclasses.replace(spec, bootstrap=server.addr)
         async with PeerProcess.start_ctx("prefill", spec) as prefill, \
-                KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config(waiting_timeout_s=60)) as d:
+                KVManager(Mode.DECODE, pool.kv_args(spec.page_size),
+                          config=Config(**CONTROL, waiting_timeout_s=60)) as d:
             await wait_registered(server)
             receiving = asyncio.create_task(receive_all(d, spec, pool, server.addr))
             await asyncio.sleep(0.8)
@@ -113,7 +117,7 @@ async def test_sigstop_prefill_fails_rooms_by_deadline_and_sigcont_writes_nothin
 async def test_sigkill_decode_fails_prefill_senders_and_releases_everything() -> None:
     spec = dataclasses.replace(SPEC, requests=10, inflight=10)
     pool = KVPool(spec.entries, spec.requests * spec.max_pages, spec.item_bytes, aux_rows=spec.requests)
-    cfg = Config(bootstrap_timeout_s=60)
+    cfg = Config(**CONTROL, bootstrap_timeout_s=60)
     async with KVManager(Mode.PREFILL, pool.kv_args(spec.page_size), bootstrap_addr="127.0.0.1:0", config=cfg) as p:
         assert p.bootstrap_addr is not None
         spec = dataclasses.replace(spec, bootstrap=p.bootstrap_addr)
@@ -143,7 +147,7 @@ async def test_a_restarted_prefill_on_the_same_address_serves_the_next_rooms() -
     spec = dataclasses.replace(SPEC, requests=4, inflight=4)
     pool = KVPool(spec.entries, spec.requests * spec.max_pages, spec.item_bytes, aux_rows=spec.requests)
     async with BootstrapServer("127.0.0.1", 0) as server, \
-            KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config(waiting_timeout_s=60)) as d:
+            KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config(**CONTROL, waiting_timeout_s=60)) as d:
         first = dataclasses.replace(spec, bootstrap=server.addr, seed=1)
         async with PeerProcess.start_ctx("prefill", first) as prefill:
             await wait_registered(server)

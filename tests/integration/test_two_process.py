@@ -15,6 +15,8 @@ from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
 from asynckv.demo import DemoSpec
 from asynckv.testing import verify_aux, verify_pages
 
+from .conftest import CONTROL
+
 pytestmark = pytest.mark.integration
 
 
@@ -43,7 +45,8 @@ async def test_decode_in_this_process_receives_from_a_prefill_process() -> None:
         try:
             pool = spec.pool()
             rng = np.random.default_rng(0)
-            async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=Config(waiting_timeout_s=30)) as d:
+            async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size),
+                                 config=Config(**CONTROL, waiting_timeout_s=30)) as d:
                 sem = asyncio.Semaphore(spec.inflight)
                 free_rows = list(range(spec.inflight))
                 free_pages = [int(p) for p in rng.permutation(spec.pool_pages)]  # shuffled destinations

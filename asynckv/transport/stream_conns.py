@@ -1,0 +1,314 @@
+"""The connections of the stream control channel (``stream.py``, where its promises are): an
+``Inbound`` for each connection a peer opened to us, an ``Outbound`` for each peer endpoint we
+send to, and a ``Connection`` for each connection an ``Outbound`` opens (a new one each time)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import struct
+from typing import TYPE_CHECKING, cast
+
+from ..proto.auth import is_loopback
+from ..proto.endpoints import endpoint_address
+from .channel import MAX_MESSAGE_BYTES, READ_BATCH
+
+if TYPE_CHECKING:
+    from .stream import StreamChannel
+
+__all__ = ["COALESCE_BYTES", "HEADER", "LINGER_S", "MAX_BACKLOG", "MAX_INBOUND", "Connection", "Inbound",
+           "Outbound"]
+
+HEADER = struct.Struct("!I")
+MAX_BACKLOG = 10_000
+"""Messages waiting for one endpoint at most (ZMQ's send queue held as many)."""
+WRITE_HIGH_WATER = 4 * 2**20
+"""Bytes a connection buffers before it counts as full (and ``send_timeout_s`` starts to run)."""
+LINGER_S = 1.0
+"""How long a closed connection keeps handing its last bytes to a peer before it is cut."""
+MAX_INBOUND = 2048
+"""Connections accepted at once at most (a rank's peers open one each); beyond, cut at once."""
+INBOUND_BYTES = 2 * MAX_MESSAGE_BYTES
+"""Bytes of unfinished messages held across all accepted connections at most."""
+FOREIGN_MAX_BYTES = 4 * 2**20
+"""Protected mode: the largest message read from a host that is not loopback (a registration)."""
+COALESCE_BYTES = 64 * 1024
+"""A message up to this size goes out with its length in one write (one segment); a larger one in
+two writes (no copy of a large body)."""
+
+
+class Inbound(asyncio.Protocol):
+    """One connection a peer opened to us: split into messages, handed on a few per loop round."""
+
+    def __init__(self, channel: StreamChannel) -> None:
+        self._ch = channel
+        self._buf = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._origin: str | None = None
+        self._limit = MAX_MESSAGE_BYTES
+        self._turn: asyncio.Handle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # (create_server's TCP transports are)
+        ch = self._ch
+        if not ch._reading or len(ch._inbound) >= MAX_INBOUND:
+            if ch._reading:
+                ch.dropped["connections_limited"] += 1
+                ch._rl.warning("inbound", "control: cut a new connection: %d are open already", MAX_INBOUND)
+            transport.abort()
+            return
+        self._transport = transport
+        if ch._loopback_only:
+            peer = transport.get_extra_info("peername")
+            self._origin = str(peer[0]) if peer else "unknown"
+            if not is_loopback(self._origin):
+                self._limit = FOREIGN_MAX_BYTES
+        ch._inbound.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ch._inbound.discard(self)
+        self._ch._buffered -= len(self._buf)
+        self._buf.clear()
+        self._transport = None
+        if self._turn is not None:
+            self._turn.cancel()
+            self._turn = None
+
+    def data_received(self, data: bytes) -> None:
+        ch = self._ch
+        if not ch._reading:  # (stopped: what a transport still delivers is not read)
+            self.pause()
+            return
+        self._buf += data
+        ch._buffered += len(data)
+        if ch._buffered > INBOUND_BYTES:
+            ch.dropped["inbound_limit"] += 1
+            ch._rl.warning("inbound", "control: cut a connection from %s: unfinished messages hold over %d bytes",
+                           self._origin or "a peer", INBOUND_BYTES)
+            self.cut()
+        elif self._turn is None:
+            self._read()
+
+    def pause(self) -> None:
+        if self._transport is not None and self._transport.is_reading():
+            self._transport.pause_reading()
+
+    def cut(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _read(self) -> None:
+        """Hand on up to ``READ_BATCH`` complete messages; come back next round if more are in."""
+        self._turn = None
+        ch, buf, pos, handled = self._ch, self._buf, 0, 0
+        try:
+            while handled < READ_BATCH and ch._reading and len(buf) - pos >= HEADER.size:
+                (size,) = HEADER.unpack_from(buf, pos)
+                if size > self._limit:
+                    ch.dropped["malformed"] += 1
+                    ch._rl.warning("oversize", "control: cut a connection from %s: a %d-byte message is over "
+                                   "the %d-byte limit", self._origin or "a peer", size, self._limit)
+                    self.cut()
+                    return
+                if len(buf) - pos - HEADER.size < size:
+                    break
+                frame = bytes(buf[pos + HEADER.size:pos + HEADER.size + size])
+                pos += HEADER.size + size
+                handled += 1
+                ch.received += 1
+                ch._handle([frame], self._origin)
+        finally:
+            del buf[:pos]
+            ch._buffered -= pos
+        transport = self._transport
+        if not ch._reading or transport is None:
+            return
+        if handled == READ_BATCH and len(buf) >= HEADER.size:  # maybe more complete ones: after the others
+            self.pause()
+            self._turn = asyncio.get_running_loop().call_soon(self._read)
+        elif not transport.is_reading():
+            transport.resume_reading()
+
+
+class Connection(asyncio.Protocol):
+    """One connection of an ``Outbound`` (a new one for each reconnection): its events go to the
+    owner, which ignores those of a connection it no longer uses."""
+
+    def __init__(self, out: Outbound) -> None:
+        self.out = out
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (create_connection's TCP transports are)
+        self.out._made(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.out._lost(self, exc)
+
+    def data_received(self, data: bytes) -> None:  # nothing is ever sent this way: a peer that does is cut
+        self.out._ch.dropped["malformed"] += 1
+        if self.transport is not None:
+            self.transport.abort()
+
+    def pause_writing(self) -> None:
+        self.out._full(self, True)
+
+    def resume_writing(self) -> None:
+        self.out._full(self, False)
+
+
+class Outbound:
+    """What waits to go to one peer endpoint, and the connection it goes into."""
+
+    def __init__(self, channel: StreamChannel, endpoint: str) -> None:
+        self._ch = channel
+        self.endpoint = endpoint
+        self.conn: Connection | None = None
+        self.backlog: collections.deque[bytes | tuple[bytes, bytes]] = collections.deque()
+        self.connecting: asyncio.Task[None] | None = None
+        self.full = False
+        self._stall: asyncio.TimerHandle | None = None
+        self.finishing = False
+        """Close once what waits has left (``forget``, or evicted as a transient)."""
+        self.retired = False
+        """Closed for good: a connection that comes up after is cut."""
+
+    @property
+    def busy(self) -> bool:
+        """Something still waits to leave, here or in the connection's buffer."""
+        transport = self.conn.transport if self.conn is not None else None
+        return bool(self.backlog) or self.connecting is not None or (
+            transport is not None and transport.get_write_buffer_size() > 0)
+
+    def send(self, data: bytes | tuple[bytes, bytes]) -> None:
+        conn = self.conn
+        if conn is not None and conn.transport is not None and not self.full and not self.backlog:
+            self._write(conn.transport, data)
+            return
+        if len(self.backlog) >= MAX_BACKLOG:
+            self._ch._failed(self.endpoint, "a message", OverflowError(f"{MAX_BACKLOG} messages already wait"))
+            return
+        self.backlog.append(data)
+        self._ensure_connecting()
+
+    @staticmethod
+    def _write(transport: asyncio.Transport, data: bytes | tuple[bytes, bytes]) -> None:
+        if isinstance(data, tuple):
+            transport.write(data[0])
+            transport.write(data[1])
+        else:
+            transport.write(data)
+
+    def _ensure_connecting(self) -> None:
+        if self.conn is None and self.connecting is None and self.backlog and not self.retired:
+            self.connecting = asyncio.get_running_loop().create_task(self._connect(), name="asynckv-stream-connect")
+
+    async def _connect(self) -> None:
+        """Open the connection, retrying with backoff for up to ``send_timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._ch._send_timeout_s
+        delay = 0.005
+        try:
+            host, port = endpoint_address(self.endpoint)
+            while True:
+                try:
+                    await asyncio.wait_for(loop.create_connection(lambda: Connection(self), host, port),
+                                           max(0.001, deadline - loop.time()))
+                    return
+                except (OSError, asyncio.TimeoutError) as exc:
+                    if self.connecting is not asyncio.current_task():  # (it came up as the wait ended)
+                        return
+                    if loop.time() + delay >= deadline:
+                        self._give_up(exc)
+                        return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+        except Exception as exc:  # a malformed endpoint, a port out of range: counted, never raised
+            if self.connecting is asyncio.current_task():
+                self._give_up(exc)
+        finally:
+            if self.connecting is asyncio.current_task():  # (else connection_made let it go already)
+                self.connecting = None
+
+    def _give_up(self, exc: BaseException) -> None:
+        if self.backlog:
+            self._ch._failed(self.endpoint, f"{len(self.backlog)} queued messages", exc)
+            self.backlog.clear()
+        if self.finishing:
+            self.close()
+
+    def _made(self, conn: Connection) -> None:
+        self.connecting = None
+        transport = conn.transport
+        if transport is None:
+            return
+        if self.retired:  # (closed while it was being opened)
+            transport.abort()
+            return
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.conn, self.full = conn, False
+        self._flush()
+
+    def _lost(self, conn: Connection, exc: Exception | None) -> None:
+        self._ch._lingering.discard(conn)
+        conn.transport = None
+        if conn is not self.conn:
+            return
+        self.conn, self.full = None, False
+        self._unstall()
+        if exc is not None:
+            self._ch._rl.warning("lost", "control: connection to %s lost: %r", self.endpoint, exc)
+        if self.finishing and not self.backlog:
+            self.close()
+        else:
+            self._ensure_connecting()
+
+    def _full(self, conn: Connection, full: bool) -> None:
+        if conn is not self.conn:
+            return
+        self.full = full
+        if full:
+            if self._stall is None:
+                self._stall = asyncio.get_running_loop().call_later(self._ch._send_timeout_s, self._stalled)
+        else:
+            self._unstall()
+            self._flush()
+
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        """The peer took nothing for ``send_timeout_s``: cut the connection, drop what waits."""
+        self._stall = None
+        self._ch._failed(self.endpoint, f"{len(self.backlog)} queued messages",
+                         TimeoutError(f"the peer read nothing for {self._ch._send_timeout_s}s"))
+        self.backlog.clear()
+        if self.conn is not None and self.conn.transport is not None:
+            self.conn.transport.abort()
+
+    def _flush(self) -> None:
+        conn = self.conn
+        while conn is not None and conn.transport is not None and self.backlog and not self.full:
+            self._write(conn.transport, self.backlog.popleft())
+        if self.finishing and not self.backlog:
+            self.close()
+
+    def close(self) -> None:
+        """Close for good now; the connection hands over its last bytes for ``LINGER_S`` at most."""
+        self.retired = True
+        if self._ch._finishing.get(self.endpoint) is self:
+            del self._ch._finishing[self.endpoint]
+        task, self.connecting = self.connecting, None
+        if task is not None and task is not asyncio.current_task():  # (connection_made has let it go already)
+            task.cancel()
+        self._unstall()
+        conn, self.conn = self.conn, None
+        transport = conn.transport if conn is not None else None
+        if conn is None or transport is None:
+            return
+        if transport.get_write_buffer_size():
+            self._ch._lingering.add(conn)
+            asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+        transport.close()
