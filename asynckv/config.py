@@ -18,7 +18,7 @@ __all__ = ["CONTROL_TRANSPORTS", "WIRES", "Config"]
 
 WIRES = ("asynckv", "sglang-0.5.10")
 """The wire protocols a manager can speak."""
-CONTROL_TRANSPORTS = ("zmq", "stream")
+CONTROL_TRANSPORTS = ("auto", "stream", "zmq")
 """What can carry control messages (``Config.control_transport``)."""
 
 # Reference-connector variables honoured where they map one to one (the ASYNCKV_ name wins).
@@ -132,18 +132,28 @@ class Config:
     """The protocol this manager speaks: ``"asynckv"`` (its own, between asynckv ranks) or
     ``"sglang-0.5.10"`` (SGLang 0.5.10's NIXL connector wire, to pair with stock SGLang ranks:
     see docs/interop.md). Also ASYNCKV_WIRE."""
-    control_transport: str = "zmq"
-    """What carries control messages: ``"zmq"`` (PUSH/PULL sockets) or ``"stream"`` (plain TCP
-    streams read by the event loop: a round trip in 0.4x the time and CPU of ZMQ's, see
-    docs/design-decisions.md, 18). Both sides of a pair must use the same one; the SGLang wire is
-    ZMQ's. Also ASYNCKV_CONTROL_TRANSPORT."""
+    control_transport: str = "auto"
+    """What carries control messages: ``"stream"`` (plain TCP streams read by the event loop) or
+    ``"zmq"`` (PUSH/PULL sockets, what asynckv used before and SGLang's wire uses); ``"auto"``:
+    stream on asynckv's wire, ZMQ on SGLang's. Two processes exchanging one message at a time, a
+    round trip took 87 us and 55 us of CPU in each process on streams against 185 us and 129 us on
+    ZMQ (benchmarks/bench_control.py; docs/design-decisions.md, 18). Both sides of a pair must use
+    the same one (a mismatch fails the room at once, naming both): set ``"zmq"`` to pair with
+    asynckv ranks of earlier versions. Also ASYNCKV_CONTROL_TRANSPORT."""
     sglang_kv_cache_dtype: str = "auto"
     """On the SGLang wire: this rank's ``kv_cache_dtype`` as SGLang names and compares it (its
     ``--kv-cache-dtype``; ``"auto"`` is the model's dtype)."""
     allow_unauthenticated: bool = False
-    """Without a token, control traffic (ZMQ messages, bootstrap ``/route`` and ``/peers``) is
+    """Without a token, control traffic (control messages, bootstrap ``/route`` and ``/peers``) is
     accepted from loopback only ("protected mode"); True accepts it from any host, unauthenticated
     (logged as a warning). Also ASYNCKV_ALLOW_UNAUTHENTICATED=1."""
+
+    @property
+    def control(self) -> str:
+        """The control transport in use: ``control_transport`` with ``"auto"`` resolved."""
+        if self.control_transport != "auto":
+            return self.control_transport
+        return "stream" if self.wire == "asynckv" else "zmq"
 
     @property
     def protected(self) -> bool:
@@ -176,8 +186,9 @@ class Config:
         if self.control_transport not in CONTROL_TRANSPORTS:
             raise InvalidArgument(f"config control_transport must be one of {', '.join(CONTROL_TRANSPORTS)}, "
                                   f"got {self.control_transport!r}")
-        if self.wire != "asynckv" and self.control_transport != "zmq":
-            raise InvalidArgument(f"config wire {self.wire!r} is carried by ZMQ: control_transport must be 'zmq'")
+        if self.wire != "asynckv" and self.control_transport == "stream":
+            raise InvalidArgument(f"config wire {self.wire!r} is carried by ZMQ: control_transport must be 'zmq' "
+                                  f"or 'auto'")
         if self.wire != "asynckv" and self.auth_token:
             raise InvalidArgument(f"config wire {self.wire!r} cannot carry auth_token: stock SGLang ranks do not "
                                   f"authenticate (keep them on loopback, or isolate their network and set "

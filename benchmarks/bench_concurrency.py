@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser.add_argument("--rooms", type=int, default=5000)
     parser.add_argument("--inflight", type=int, default=1000)
     parser.add_argument("--child", choices=["asyncio", "uvloop"])
-    parser.add_argument("--transports", nargs="*", default=["zmq", "stream"], choices=["zmq", "stream"],
+    parser.add_argument("--transports", nargs="*", default=["stream", "zmq"], choices=["stream", "zmq"],
                         help="control transports, each run with both loops (the children read it from "
                              "ASYNCKV_CONTROL_TRANSPORT)")
     args = parser.parse_args(argv)

@@ -7,7 +7,9 @@ PULL socket is read from a callback on its file descriptor until ``zmq.Again``. 
 an ``asyncio.Protocol`` with a 4-byte length before each message and ``TCP_NODELAY``. Reported:
 round-trip p50/p90 and CPU per round trip of each process (its own threads included: ZMQ's I/O
 thread does its part of every send and receive). Rounds alternate the two transports.
-A question for the next change, not a feature: asynckv's own wire runs on ZMQ today (design decision 18).
+The same exchange then runs through asynckv's two control channels, ``ControlChannel`` (ZMQ, the
+default) and ``StreamChannel`` (``control_transport="stream"``), to show what each costs in full
+(packing, queues, the reader's batching; design decision 18).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import time
 from ._common import write_result
 
 MESSAGE = b"x" * 200
+TRANSPORTS = ["zmq", "tcp", "zmq-channel", "stream-channel"]
+"""Bare ZMQ sockets and a bare TCP stream as above; then asynckv's ``ControlChannel`` (ZMQ) and
+``StreamChannel`` themselves, each message packed into a frame as asynckv's wire does."""
 LENGTH = struct.Struct("<I")
 
 
@@ -87,6 +92,33 @@ async def _tcp(role: str, port_in: int, port_out: int, count: int) -> dict[str, 
                            lambda: (out.close(), server.close()))
 
 
+async def _channel(kind: str, role: str, port_in: int, port_out: int, count: int) -> dict[str, float]:
+    """asynckv's own channels (``ControlChannel``, ``StreamChannel``), messages as opaque bytes:
+    they bind random ports, so each side leaves its endpoint in a file named by its port number."""
+    import tempfile
+
+    from asynckv.proto.messages import unpack
+    from asynckv.transport.control import ControlChannel
+    from asynckv.transport.stream import StreamChannel
+
+    handlers: list[object] = []
+    codec = (lambda frames: unpack(frames[0])[0], lambda body: [body])
+    cls = StreamChannel if kind == "stream-channel" else ControlChannel
+    chan = cls("127.0.0.1", lambda msg: handlers[0](msg), codec=codec)  # type: ignore[operator]
+    mine = pathlib.Path(tempfile.gettempdir()) / f"asynckv-bench-control-{port_in}"
+    theirs = pathlib.Path(tempfile.gettempdir()) / f"asynckv-bench-control-{port_out}"
+    mine.write_text(await chan.start())
+    for _ in range(500):
+        if theirs.exists() and theirs.read_text():
+            break
+        await asyncio.sleep(0.01)
+    peer = theirs.read_text()
+    result = await _exchange(role, count, lambda msg: chan.send(peer, msg), handlers.append, lambda: None)
+    await chan.close()
+    mine.unlink(missing_ok=True)
+    return result
+
+
 async def _exchange(role: str, count: int, send: object, on_message: object, close: object) -> dict[str, float]:
     """Ping sends, pong echoes; ``count`` round trips after a warm-up. Returns the ping's round
     trips in microseconds and this process's CPU per round trip."""
@@ -131,8 +163,11 @@ def child(transport: str, role: str, port_in: int, port_out: int, count: int) ->
     import uvloop
 
     uvloop.install()
-    fn = _zmq if transport == "zmq" else _tcp
-    print("RESULT " + json.dumps(asyncio.run(fn(role, port_in, port_out, count))), flush=True)
+    if transport.endswith("-channel"):
+        result = asyncio.run(_channel(transport, role, port_in, port_out, count))
+    else:
+        result = asyncio.run((_zmq if transport == "zmq" else _tcp)(role, port_in, port_out, count))
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -165,7 +200,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--child", choices=["zmq", "tcp"])
+    parser.add_argument("--child", choices=TRANSPORTS)
     parser.add_argument("--role", choices=["ping", "pong"])
     parser.add_argument("--ports", type=int, nargs=2)
     args = parser.parse_args(argv)
@@ -173,7 +208,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
         child(args.child, args.role, args.ports[0], args.ports[1], args.messages)
         return {}
     print(f"control messages, one at a time ({args.messages} round trips, {args.rounds} rounds per transport):")
-    runs: dict[str, list[dict[str, float]]] = {"zmq": [], "tcp": []}
+    runs: dict[str, list[dict[str, float]]] = {t: [] for t in TRANSPORTS}
     for _ in range(args.rounds):
         for transport in runs:
             runs[transport].append(_pair(transport, args.messages))

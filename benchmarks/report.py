@@ -26,11 +26,11 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     sm = _load(out, "small_requests")
     if sm:
         for r in sm["rows"]:
-            stream = (f"; stream control {r['stream_p50_ms']:.2f} / {r['stream_p99_ms']:.2f} ms, "
-                      f"{r['stream_rps']:.0f} req/s" if "stream_p50_ms" in r else "")
-            added = f" (stream +{r['stream_added_p50_ms']:.2f} ms)" if "stream_added_p50_ms" in r else ""
-            lines.append(f"| Q2 {r['pages']}-page request p50 / p99 | ZMQ control {r['asynckv_p50_ms']:.2f} / "
-                         f"{r['asynckv_p99_ms']:.2f} ms, {r['asynckv_rps']:.0f} req/s{stream} | raw WRITE+notif "
+            zmq = (f"; on ZMQ {r['zmq_p50_ms']:.2f} / {r['zmq_p99_ms']:.2f} ms, "
+                   f"{r['zmq_rps']:.0f} req/s" if "zmq_p50_ms" in r else "")
+            added = f" (ZMQ +{r['zmq_added_p50_ms']:.2f} ms)" if "zmq_added_p50_ms" in r else ""
+            lines.append(f"| Q2 {r['pages']}-page request p50 / p99 | {r['asynckv_p50_ms']:.2f} / "
+                         f"{r['asynckv_p99_ms']:.2f} ms, {r['asynckv_rps']:.0f} req/s{zmq} | raw WRITE+notif "
                          f"{r['raw_p50_ms']:.3f} / {r['raw_p99_ms']:.3f} ms | +{r['added_p50_ms']:.2f} ms{added} | "
                          f"<= +1 ms |")
     cc = _load(out, "concurrency")

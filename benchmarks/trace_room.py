@@ -5,7 +5,9 @@ timestamp taken where the code passes a named point (a wrapper around the method
 this run only), and the table gives, per stage, the median time since ``receiver.init()`` was
 called and the median gap since the stage before. The wrappers add a few microseconds per
 stage, so the total is a little above Q2's. This is a diagnostic, not a speed claim: it shows
-which hand-off (control message, engine thread, loop wake-up) a change should aim at.
+which hand-off (control message, engine thread, loop wake-up) a change should aim at. The
+control stages are those of the ZMQ channel (``control_transport="zmq"``), which this trace was
+written for; the stream channel's cost per message is in ``bench_control.py``.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ async def measure(rooms: int) -> tuple[list[dict[str, object]], float]:
     trace.install()  # (before the managers start: some hooks are bound then)
     timelines: list[dict[str, float]] = []
     try:
-        async with pair(2, 64, ITEM) as (p, d):
+        async with pair(2, 64, ITEM, control_transport="zmq") as (p, d):
             trace.roles.update({id(p._control): "prefill", id(d._control): "decode"})
             src, dst = np.arange(1), np.arange(1) + 20
             for i in range(rooms + 20):  # (the first 20 warm up)

@@ -27,7 +27,7 @@ def test_asynckv_name_wins_over_the_legacy_one() -> None:
     ({"ASYNCKV_PREPPED_DLISTS": "maybe"}, "ASYNCKV_PREPPED_DLISTS"),
     ({"ASYNCKV_WAITING_TIMEOUT_S": "-1"}, "waiting_timeout_s must be > 0"),
     ({"ASYNCKV_MAX_DESCS_PER_XFER": "0"}, "max_descs_per_xfer must be >= 1"),
-    ({"ASYNCKV_CONTROL_TRANSPORT": "udp"}, "control_transport must be one of zmq, stream, got 'udp'"),
+    ({"ASYNCKV_CONTROL_TRANSPORT": "udp"}, "control_transport must be one of auto, stream, zmq, got 'udp'"),
     ({"ASYNCKV_CONTROL_TRANSPORT": "stream", "ASYNCKV_WIRE": "sglang-0.5.10"}, "is carried by ZMQ"),
 ])
 def test_bad_values_are_refused_naming_the_variable(env: dict[str, str], needle: str) -> None:
@@ -41,6 +41,7 @@ def test_config_is_frozen() -> None:
         cfg.host = "0.0.0.0"  # type: ignore[misc]
 
 
-def test_the_control_transport_comes_from_the_environment() -> None:
-    assert Config().control_transport == "zmq"
-    assert Config.from_env({"ASYNCKV_CONTROL_TRANSPORT": "stream"}).control_transport == "stream"
+def test_the_control_transport_is_streams_on_asynckvs_wire_and_zmq_on_sglangs() -> None:
+    assert Config().control == "stream" and Config(wire="sglang-0.5.10").control == "zmq"
+    assert Config.from_env({"ASYNCKV_CONTROL_TRANSPORT": "zmq"}).control == "zmq"
+    assert Config(control_transport="zmq", wire="sglang-0.5.10").control == "zmq"

@@ -183,7 +183,7 @@ class KVManager:
         metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill))
         auth = Authenticator(cfg.auth_token) if cfg.auth_token else None
         codec = (decode_frames, encode_sglang) if self.sglang else (decode_message, encode_message)
-        channel = StreamChannel if cfg.control_transport == "stream" else ControlChannel
+        channel = StreamChannel if cfg.control == "stream" else ControlChannel
         control = self._control = channel(cfg.host, self._on_message, self._on_version_mismatch,
                                           cfg.send_timeout_s, auth, loopback_only=cfg.protected,
                                           on_refused=self._on_refused, codec=codec, one_frame=not self.sglang)

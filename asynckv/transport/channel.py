@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import RemoteProtocolError
 from ..proto.auth import PROTECTED_MODE_REASON, Authenticator, AuthError, is_loopback
+from ..proto.endpoints import transport_of
 from ..proto.messages import Message, VersionMismatch, decode, encode, pack, unpack
 from .ratelimit import RateLimitedLog
 
@@ -147,6 +148,15 @@ class ChannelBase:
         if self._one_frame:
             frames = [pack(frames)]
         return frames
+
+    def _speaks(self, endpoint: str, transport: str, msg: Any) -> bool:
+        """Whether ``endpoint`` names this channel's transport; if not, the message is dropped, counted
+        and the reason logged (both sides of a pair must use the same one)."""
+        if transport_of(endpoint) == transport:
+            return True
+        self._failed(endpoint, type(msg).__name__, ValueError(
+            f"that endpoint is not a {transport} endpoint: both sides must use the same control_transport"))
+        return False
 
     def _reply_allowed(self, endpoint: str, what: str) -> bool:
         """Take a token for a reply to an endpoint nobody vouched for (``TRANSIENT_PER_S``), or count

@@ -28,7 +28,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from ..proto.endpoints import transport_of
 from .channel import MAX_MESSAGE_BYTES, READ_BATCH, TRANSIENT_PER_S, TRANSIENT_SOCKETS, ChannelBase, log
 from .ratelimit import RateLimitedLog
 
@@ -201,9 +200,7 @@ class ControlChannel(ChannelBase):
         ``transient``: a reply to an endpoint nobody vouched for (see ``_send_transient``)."""
         if self._closed or self._ctx is None:
             return
-        if transport_of(endpoint) != "zmq":
-            self._failed(endpoint, type(msg).__name__, ValueError(
-                "that endpoint is not a ZMQ endpoint: both sides must use the same control_transport"))
+        if not self._speaks(endpoint, "zmq", msg):
             return
         frames = self._frames(endpoint, msg)
         if transient and endpoint not in self._peers:

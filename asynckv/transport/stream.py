@@ -35,7 +35,6 @@ import collections
 import contextlib
 from typing import Any
 
-from ..proto.endpoints import transport_of
 from .channel import TRANSIENT_SOCKETS, ChannelBase
 from .stream_conns import COALESCE_BYTES, HEADER, LINGER_S, MAX_BACKLOG, MAX_INBOUND, Connection, Inbound, Outbound
 
@@ -101,9 +100,7 @@ class StreamChannel(ChannelBase):
         ``transient``: a reply to an endpoint nobody vouched for (bounded, see ``channel.py``)."""
         if self._closed or self._server is None:
             return
-        if transport_of(endpoint) != "stream":
-            self._failed(endpoint, type(msg).__name__, ValueError(
-                "that endpoint is not a stream endpoint: both sides must use the same control_transport"))
+        if not self._speaks(endpoint, "stream", msg):
             return
         frame = self._frames(endpoint, msg)[0]
         data: bytes | tuple[bytes, bytes] = (

@@ -172,6 +172,8 @@ class Outbound:
         """Close once what waits has left (``forget``, or evicted as a transient)."""
         self.retired = False
         """Closed for good: a connection that comes up after is cut."""
+        self._flush_due: asyncio.Handle | None = None
+        """This round's write is done, or what waits goes out at the round's end (``send``)."""
 
     @property
     def busy(self) -> bool:
@@ -181,23 +183,39 @@ class Outbound:
             transport is not None and transport.get_write_buffer_size() > 0)
 
     def send(self, data: bytes | tuple[bytes, bytes]) -> None:
+        """The first message of a loop round goes straight into the connection; what follows in the
+        same round waits for one write at the round's end (a send on loopback costs 30-65 us of
+        CPU here whatever its size: at 1,000 rooms in flight it was the loop's largest cost)."""
         conn = self.conn
-        if conn is not None and conn.transport is not None and not self.full and not self.backlog:
-            self._write(conn.transport, data)
+        if conn is not None and conn.transport is not None and not self.full and not self.backlog \
+                and self._flush_due is None:
+            self._write(conn.transport, [data])
+            self._flush_due = asyncio.get_running_loop().call_soon(self._flush)
             return
         if len(self.backlog) >= MAX_BACKLOG:
             self._ch._failed(self.endpoint, "a message", OverflowError(f"{MAX_BACKLOG} messages already wait"))
             return
         self.backlog.append(data)
-        self._ensure_connecting()
+        if conn is None:
+            self._ensure_connecting()
+        elif not self.full and self._flush_due is None:
+            self._flush_due = asyncio.get_running_loop().call_soon(self._flush)
 
     @staticmethod
-    def _write(transport: asyncio.Transport, data: bytes | tuple[bytes, bytes]) -> None:
-        if isinstance(data, tuple):
-            transport.write(data[0])
-            transport.write(data[1])
-        else:
-            transport.write(data)
+    def _write(transport: asyncio.Transport, items: list[bytes | tuple[bytes, bytes]]) -> None:
+        """Small messages in one write; a large one as its length and its body (no copy of it)."""
+        small: list[bytes] = []
+        for data in items:
+            if isinstance(data, tuple):
+                if small:
+                    transport.write(b"".join(small))
+                    small.clear()
+                transport.write(data[0])
+                transport.write(data[1])
+            else:
+                small.append(data)
+        if small:
+            transport.write(small[0] if len(small) == 1 else b"".join(small))
 
     def _ensure_connecting(self) -> None:
         if self.conn is None and self.connecting is None and self.backlog and not self.retired:
@@ -289,15 +307,25 @@ class Outbound:
             self.conn.transport.abort()
 
     def _flush(self) -> None:
+        """Hand what waits to the connection, up to ``WRITE_HIGH_WATER`` at a time while it has room."""
+        self._flush_due = None
         conn = self.conn
         while conn is not None and conn.transport is not None and self.backlog and not self.full:
-            self._write(conn.transport, self.backlog.popleft())
+            items, size = [], 0
+            while self.backlog and size < WRITE_HIGH_WATER:
+                item = self.backlog.popleft()
+                items.append(item)
+                size += len(item[1]) if isinstance(item, tuple) else len(item)
+            self._write(conn.transport, items)
         if self.finishing and not self.backlog:
             self.close()
 
     def close(self) -> None:
         """Close for good now; the connection hands over its last bytes for ``LINGER_S`` at most."""
         self.retired = True
+        if self._flush_due is not None:
+            self._flush_due.cancel()
+            self._flush_due = None
         if self._ch._finishing.get(self.endpoint) is self:
             del self._ch._finishing[self.endpoint]
         task, self.connecting = self.connecting, None

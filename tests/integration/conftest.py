@@ -16,17 +16,16 @@ from asynckv.testing import KVPool, fill_aux, fill_pages, verify_aux, verify_pag
 
 CONTROL: dict[str, Any] = (
     {"control_transport": os.environ["ASYNCKV_CONTROL_TRANSPORT"]} if "ASYNCKV_CONTROL_TRANSPORT" in os.environ else {})
-"""The control transport the managers built here use: the default, or ASYNCKV_CONTROL_TRANSPORT (so the
-integration tier runs on either; tests that speak raw ZMQ to a rank are marked ``zmq_wire``)."""
+"""The control transport of the managers built here: the default (streams), or ASYNCKV_CONTROL_TRANSPORT,
+so the integration tier runs on either (CI runs it on both). Tests marked ``zmq_wire`` speak raw ZMQ
+to a rank: theirs, and their child processes', always run on ZMQ."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if CONTROL.get("control_transport", "zmq") == "zmq":
-        return
-    skip = pytest.mark.skip(reason="speaks raw ZMQ to a rank; the ranks here use another control transport")
-    for item in items:
-        if item.get_closest_marker("zmq_wire"):
-            item.add_marker(skip)
+@pytest.fixture(autouse=True)
+def _zmq_for_raw_zmq_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("zmq_wire"):
+        monkeypatch.setitem(CONTROL, "control_transport", "zmq")
+        monkeypatch.setenv("ASYNCKV_CONTROL_TRANSPORT", "zmq")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -24,9 +24,10 @@ from asynckv.proto.messages import Ping, encode
 from asynckv.testing import KVPool, fill_pages, verify_pages
 from asynckv.transport.control import ControlChannel
 
+from .conftest import CONTROL
 from .test_partition import HOST_IP, NS_IP
 
-pytestmark = [pytest.mark.integration, pytest.mark.zmq_wire]
+pytestmark = pytest.mark.integration
 
 TOKEN = "across-hosts-test-secret"
 SPEC = DemoSpec(layers=2, kv_heads=2, head_dim=16, page_size=4, min_pages=4, max_pages=12, chunk_pages=4, seed=9,
@@ -54,7 +55,7 @@ async def test_with_a_token_rooms_move_byte_exact_between_namespaces(netns: tupl
         spec = dataclasses.replace(SPEC, bootstrap=server.addr)
         proc = await _prefill_in_namespace(ns, spec, {"ASYNCKV_AUTH_TOKEN": TOKEN})
         try:
-            cfg = Config(host=HOST_IP, auth_token=TOKEN, waiting_timeout_s=60, bootstrap_timeout_s=60)
+            cfg = Config(**CONTROL, host=HOST_IP, auth_token=TOKEN, waiting_timeout_s=60, bootstrap_timeout_s=60)
             async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=cfg) as d:
                 receivers = []
                 for i, r in enumerate(spec.plan()):
@@ -85,7 +86,7 @@ async def test_without_a_token_the_remote_peer_is_refused_with_the_reason(netns:
             assert rc != 0 and b"protected mode" in err, err[-2000:]
             assert server.table.registered == 0
             # a decode that reaches the server over a non-loopback address is refused too, at once
-            cfg = Config(host=HOST_IP, waiting_timeout_s=60, bootstrap_timeout_s=60)
+            cfg = Config(**CONTROL, host=HOST_IP, waiting_timeout_s=60, bootstrap_timeout_s=60)
             async with KVManager(Mode.DECODE, pool.kv_args(spec.page_size), config=cfg) as d:
                 receiver = d.receiver(server.addr, 7)
                 t = time.monotonic()
@@ -96,6 +97,7 @@ async def test_without_a_token_the_remote_peer_is_refused_with_the_reason(netns:
             await _stop(proc)
 
 
+@pytest.mark.zmq_wire
 async def test_protected_mode_drops_control_messages_from_other_addresses(netns: tuple[str, str]) -> None:
     """The veth address is this host's but not loopback: what arrives over it is refused unread;
     a registration hears why. With the opt-out, the same message is handled."""
@@ -149,6 +151,7 @@ print(json.dumps(answers))
 """
 
 
+@pytest.mark.zmq_wire
 async def test_an_impostor_on_another_host_cannot_claim_a_room_without_a_token(netns: tuple[str, str]) -> None:
     """Without a token, a prefill bound to every interface (0.0.0.0) used to accept a remote process's
     registration and destination: it sent its TransferInfo first and got the room's KV pages. Now the

@@ -1,8 +1,8 @@
-"""Ranks whose control messages go over plain TCP streams (``control_transport="stream"``), in
-the default suite (the whole integration tier also runs on it with
-ASYNCKV_CONTROL_TRANSPORT=stream): bytes land, chunked and in parallel; a killed prefill process
-fails its rooms on the heartbeat bound; authentication and protected mode hold; a pair whose
-sides use different transports fails the room at once, naming both."""
+"""Ranks whose control messages go over plain TCP streams (``control_transport="stream"``, the
+default on asynckv's wire), named explicitly so these hold whatever ASYNCKV_CONTROL_TRANSPORT
+the tier runs with: bytes land, chunked and in parallel; a killed prefill process fails its
+rooms on the heartbeat bound; authentication holds; a pair whose sides use different transports
+fails the room at once, naming both."""
 
 from __future__ import annotations
 

@@ -24,6 +24,8 @@ from asynckv.proto.messages import Ping, encode, pack, unpack
 from asynckv.transport import control
 from asynckv.transport.control import READ_BATCH, ControlChannel
 
+from .waiting import until
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -93,14 +95,6 @@ async def setup() -> AsyncIterator[Setup]:
 
 def ping(seq: int) -> list[bytes]:
     return encode(Ping("p" * 8, "tcp://127.0.0.1:1", 1, seq))
-
-
-async def until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
 
 
 async def test_a_burst_is_read_in_order_a_batch_per_round(setup: Setup) -> None:

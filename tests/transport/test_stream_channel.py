@@ -29,6 +29,8 @@ from asynckv.transport.control import ControlChannel
 from asynckv.transport.stream import MAX_BACKLOG, StreamChannel
 from asynckv.transport.stream_conns import Inbound
 
+from .waiting import until
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -61,14 +63,6 @@ RAW = (lambda frames: unpack(frames[0])[0], lambda body: [body])
 
 def ping(seq: int) -> Ping:
     return Ping("p" * 8, "stream://127.0.0.1:1", 1, seq)
-
-
-async def until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
 
 
 @contextlib.asynccontextmanager
