@@ -102,13 +102,18 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     ct = _load(out, "control_transport")
     if ct:
         by = {r["transport"]: r for r in ct["rows"]}
-        z, t = by["zmq"], by["tcp"]
-        lines.append(f"| a control message over a plain TCP stream (ping-pong, two processes, uvloop) | round trip "
-                     f"p50 {t['rtt_p50_us']:.0f} us, CPU per round trip {t['cpu_us_per_round_trip_ping']:.0f} / "
-                     f"{t['cpu_us_per_round_trip_pong']:.0f} us | ZMQ PUSH/PULL (the control channel today): "
-                     f"{z['rtt_p50_us']:.0f} us, {z['cpu_us_per_round_trip_ping']:.0f} / "
-                     f"{z['cpu_us_per_round_trip_pong']:.0f} us | {z['rtt_p50_us'] / t['rtt_p50_us']:.1f}x faster, "
-                     f"{z['cpu_us_per_round_trip_ping'] / t['cpu_us_per_round_trip_ping']:.1f}x less CPU | |")
+        pairs = [("a control message over a bare TCP stream (ping-pong, two processes, uvloop)", "tcp", "zmq",
+                  "bare ZMQ PUSH/PULL")]
+        if "stream-channel" in by:
+            pairs.append(("the same through asynckv's StreamChannel (the default)", "stream-channel", "zmq-channel",
+                          "through its ControlChannel (ZMQ)"))
+        for what, fast, slow, base in pairs:
+            t, z = by[fast], by[slow]
+            lines.append(f"| {what} | round trip p50 {t['rtt_p50_us']:.0f} us, CPU per round trip "
+                         f"{t['cpu_us_per_round_trip_ping']:.0f} / {t['cpu_us_per_round_trip_pong']:.0f} us | {base}: "
+                         f"{z['rtt_p50_us']:.0f} us, {z['cpu_us_per_round_trip_ping']:.0f} / "
+                         f"{z['cpu_us_per_round_trip_pong']:.0f} us | {z['rtt_p50_us'] / t['rtt_p50_us']:.1f}x faster, "
+                         f"{z['cpu_us_per_round_trip_ping'] / t['cpu_us_per_round_trip_ping']:.1f}x less CPU | |")
     sc = _load(out, "scaling")
     if sc:
         one = {r["case"]: r["gbps"] for r in sc["lanes"] if r["lanes"] == 1}
