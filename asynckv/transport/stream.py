@@ -19,9 +19,10 @@ It keeps the ZMQ channel's promises (``control.py``), with bounds of its own ins
   goes out on a new connection and may overtake what the old one still hands over);
 - **fair reads**: ``READ_BATCH`` messages per loop round at most, across each connection; one with
   more pauses until its next turn, so a flood cannot hold the loop;
-- **bounded reads**: ``MAX_INBOUND`` connections, ``INBOUND_BYTES`` of unfinished messages in all
-  (the connection that would pass it is cut), and in protected mode ``FOREIGN_MAX_BYTES`` per
-  message from a host that is not loopback (it is only read to tell a registration why not);
+- **bounded reads**: ``MAX_INBOUND`` connections (a new one beyond cuts the one heard from
+  longest ago), ``INBOUND_BYTES`` of unfinished messages in all (beyond, the connection holding
+  the most is cut), and in protected mode one message of ``FOREIGN_MAX_BYTES`` at most from a
+  host that is not loopback (it is only read to tell a registration why not; then it is cut);
 - replies to endpoints nobody vouched for, protected mode and authentication as in ``channel.py``.
 
 A length beyond the limit cuts the connection that sent it (the stream cannot be resynchronised);
@@ -33,12 +34,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
+import socket
 from typing import Any
 
 from .channel import TRANSIENT_SOCKETS, ChannelBase
 from .stream_conns import COALESCE_BYTES, HEADER, LINGER_S, MAX_BACKLOG, MAX_INBOUND, Connection, Inbound, Outbound
 
 __all__ = ["LINGER_S", "MAX_BACKLOG", "MAX_INBOUND", "StreamChannel"]
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class StreamChannel(ChannelBase):
@@ -87,12 +98,18 @@ class StreamChannel(ChannelBase):
         """Listen on a random port; returns the endpoint. Once: a channel is not restarted."""
         if self._server is not None or self._closed:
             raise RuntimeError("control channel already started")
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._reading = not self._stopped
-        self._server = await self._loop.create_server(lambda: Inbound(self), self._host, 0)
+        # One address, so one port: a name that resolves to several would get a listener (and a
+        # random port) on each, and peers resolving it in another order would miss. Like ZMQ
+        # (without its IPv6 option), IPv4 first; a name is advertised as the address bound.
+        infos = await loop.getaddrinfo(self._host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = [str(info[4][0]) for info in infos]
+        address = next((a for a in addresses if ":" not in a), addresses[0])
+        self._server = await loop.create_server(lambda: Inbound(self), address, 0)
         port = self._server.sockets[0].getsockname()[1]
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        self.endpoint = f"stream://{host}:{port}"
+        host = self._host if _is_address(self._host) else address
+        self.endpoint = f"stream://{f'[{host}]' if ':' in host else host}:{port}"
         return self.endpoint
 
     def send(self, endpoint: str, msg: Any, transient: bool = False) -> None:

@@ -27,9 +27,11 @@ WRITE_HIGH_WATER = 4 * 2**20
 LINGER_S = 1.0
 """How long a closed connection keeps handing its last bytes to a peer before it is cut."""
 MAX_INBOUND = 2048
-"""Connections accepted at once at most (a rank's peers open one each); beyond, cut at once."""
+"""Connections open at once at most (a rank's peers open one each); a new one beyond cuts the one
+heard from longest ago (a live peer pings every heartbeat interval)."""
 INBOUND_BYTES = 2 * MAX_MESSAGE_BYTES
-"""Bytes of unfinished messages held across all accepted connections at most."""
+"""Bytes of unfinished messages held across all accepted connections at most; beyond, the
+connection holding the most is cut (whoever sent the last bytes)."""
 FOREIGN_MAX_BYTES = 4 * 2**20
 """Protected mode: the largest message read from a host that is not loopback (a registration)."""
 COALESCE_BYTES = 64 * 1024
@@ -45,27 +47,66 @@ class Inbound(asyncio.Protocol):
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
         self._origin: str | None = None
-        self._limit = MAX_MESSAGE_BYTES
+        self._foreign = False
+        """Protected mode, a peer not on loopback: one message of ``FOREIGN_MAX_BYTES`` at most is
+        read (to tell a registration why not), then the connection is cut."""
         self._turn: asyncio.Handle | None = None
+        self.last_rx = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (create_server's TCP transports are)
         ch = self._ch
-        if not ch._reading or len(ch._inbound) >= MAX_INBOUND:
-            if ch._reading:
-                ch.dropped["connections_limited"] += 1
-                ch._rl.warning("inbound", "control: cut a new connection: %d are open already", MAX_INBOUND)
+        if not ch._reading:
             transport.abort()
             return
+        if len(ch._inbound) >= MAX_INBOUND:  # the one heard from longest ago goes, not the newcomer
+            victim = min(ch._inbound, key=lambda conn: conn.last_rx)
+            ch.dropped["connections_evicted"] += 1
+            ch._rl.warning("inbound", "control: %d connections are open: cut the one from %s, silent longest",
+                           MAX_INBOUND, victim._origin or "a peer")
+            victim.cut()
         self._transport = transport
+        self.last_rx = asyncio.get_running_loop().time()
         if ch._loopback_only:
             peer = transport.get_extra_info("peername")
             self._origin = str(peer[0]) if peer else "unknown"
-            if not is_loopback(self._origin):
-                self._limit = FOREIGN_MAX_BYTES
+            self._foreign = not is_loopback(self._origin)
         ch._inbound.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._release()
+
+    def data_received(self, data: bytes) -> None:
+        ch = self._ch
+        if not ch._reading:  # (stopped: what a transport still delivers is not read)
+            self.pause()
+            return
+        self.last_rx = asyncio.get_running_loop().time()
+        self._buf += data
+        ch._buffered += len(data)
+        if ch._buffered > INBOUND_BYTES:  # the connection holding most goes, not the one that came last
+            victim = max(ch._inbound, key=lambda conn: len(conn._buf))
+            ch.dropped["inbound_limit"] += 1
+            ch._rl.warning("inbound", "control: cut a connection from %s holding %d bytes of unfinished messages "
+                           "(over %d in all)", victim._origin or "a peer", len(victim._buf), INBOUND_BYTES)
+            victim.cut()
+            if victim is self:
+                return
+        if self._turn is None:
+            self._read()
+
+    def pause(self) -> None:
+        if self._transport is not None and self._transport.is_reading():
+            self._transport.pause_reading()
+
+    def cut(self) -> None:
+        """Drop the connection and what it holds, now."""
+        transport = self._transport
+        self._release()
+        if transport is not None:
+            transport.abort()
+
+    def _release(self) -> None:
         self._ch._inbound.discard(self)
         self._ch._buffered -= len(self._buf)
         self._buf.clear()
@@ -74,40 +115,18 @@ class Inbound(asyncio.Protocol):
             self._turn.cancel()
             self._turn = None
 
-    def data_received(self, data: bytes) -> None:
-        ch = self._ch
-        if not ch._reading:  # (stopped: what a transport still delivers is not read)
-            self.pause()
-            return
-        self._buf += data
-        ch._buffered += len(data)
-        if ch._buffered > INBOUND_BYTES:
-            ch.dropped["inbound_limit"] += 1
-            ch._rl.warning("inbound", "control: cut a connection from %s: unfinished messages hold over %d bytes",
-                           self._origin or "a peer", INBOUND_BYTES)
-            self.cut()
-        elif self._turn is None:
-            self._read()
-
-    def pause(self) -> None:
-        if self._transport is not None and self._transport.is_reading():
-            self._transport.pause_reading()
-
-    def cut(self) -> None:
-        if self._transport is not None:
-            self._transport.abort()
-
     def _read(self) -> None:
         """Hand on up to ``READ_BATCH`` complete messages; come back next round if more are in."""
         self._turn = None
         ch, buf, pos, handled = self._ch, self._buf, 0, 0
+        limit = FOREIGN_MAX_BYTES if self._foreign else MAX_MESSAGE_BYTES
         try:
             while handled < READ_BATCH and ch._reading and len(buf) - pos >= HEADER.size:
                 (size,) = HEADER.unpack_from(buf, pos)
-                if size > self._limit:
+                if size > limit:
                     ch.dropped["malformed"] += 1
                     ch._rl.warning("oversize", "control: cut a connection from %s: a %d-byte message is over "
-                                   "the %d-byte limit", self._origin or "a peer", size, self._limit)
+                                   "the %d-byte limit", self._origin or "a peer", size, limit)
                     self.cut()
                     return
                 if len(buf) - pos - HEADER.size < size:
@@ -117,9 +136,13 @@ class Inbound(asyncio.Protocol):
                 handled += 1
                 ch.received += 1
                 ch._handle([frame], self._origin)
+                if self._foreign:  # (heard once, refused: it gets no more of our memory)
+                    self.cut()
+                    return
         finally:
-            del buf[:pos]
-            ch._buffered -= pos
+            done = min(pos, len(buf))  # (a cut buffer was released whole)
+            del buf[:done]
+            ch._buffered -= done
         transport = self._transport
         if not ch._reading or transport is None:
             return

@@ -349,13 +349,16 @@ async def test_protected_mode_refuses_what_does_not_come_from_loopback() -> None
     refused: list[tuple[Message, str]] = []
     async with channel(got, loopback_only=True, on_refused=lambda m, o: refused.append((m, o))) as rx:
         frame = pack(encode(ping(3)))
+        cut = []
         for origin in ("10.1.2.3", "127.0.0.1"):
-            conn = Inbound(rx)
-            conn.connection_made(FakeTransport(origin))
-            conn.data_received(HEADER.pack(len(frame)) + frame)
+            conn, transport = Inbound(rx), FakeTransport(origin)
+            conn.connection_made(transport)
+            conn.data_received((HEADER.pack(len(frame)) + frame) * 2)
+            cut.append(transport.aborted)
             conn.connection_lost(None)
         assert rx.dropped["not_loopback"] == 1 and [o for _, o in refused] == ["10.1.2.3"]
-        assert len(got) == 1 and not rx._inbound
+        assert len(got) == 2 and not rx._inbound and rx._buffered == 0
+        assert cut == [True, False]  # (another host is heard once, then cut)
 
 
 @on_both_loops
@@ -477,29 +480,38 @@ async def test_an_endpoint_with_a_port_out_of_range_is_counted_not_raised() -> N
 
 
 @on_both_loops
-async def test_connections_beyond_the_limit_are_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_connection_beyond_the_limit_cuts_the_one_silent_longest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Refusing the newcomer let 2,048 idle connections lock every new peer out.)"""
     monkeypatch.setattr(stream_conns, "MAX_INBOUND", 2)
-    async with channel() as rx:
-        clients = [await raw_client(rx.endpoint, b"") for _ in range(3)]
-        assert await asyncio.wait_for(clients[2][0].read(), 5.0) == b""
-        await until(lambda: rx.dropped["connections_limited"] == 1, "the count")
-        assert len(rx._inbound) == 2
-        for _, writer in clients:
-            writer.close()
+    got: list[Message] = []
+    async with channel(got) as rx, channel() as tx:
+        idle_reader, idle = await raw_client(rx.endpoint, b"")  # (says nothing)
+        await until(lambda: len(rx._inbound) == 1, "the idle connection")
+        tx.send(rx.endpoint, ping(1))  # (a live peer)
+        await until(lambda: len(got) == 1, "the live peer's message")
+        _, newcomer = await raw_client(rx.endpoint, b"")
+        assert await asyncio.wait_for(idle_reader.read(), 5.0) == b""  # (the idle one was cut)
+        tx.send(rx.endpoint, ping(2))
+        await until(lambda: len(got) == 2, "the live peer, still connected")
+        assert rx.dropped["connections_evicted"] == 1 and len(rx._inbound) == 2
+        idle.close()
+        newcomer.close()
 
 
 @on_both_loops
-async def test_unfinished_messages_beyond_the_budget_cut_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_beyond_the_budget_the_connection_holding_most_is_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Cutting the connection whose bytes came last let a few stalled messages cut every live peer.)"""
     monkeypatch.setattr(stream_conns, "INBOUND_BYTES", 10_000)
     got: list[Message] = []
     async with channel(got) as rx, channel() as tx:
-        _, writer = await raw_client(rx.endpoint, HEADER.pack(50_000) + b"x" * 6_000)
-        _, other = await raw_client(rx.endpoint, HEADER.pack(50_000) + b"y" * 6_000)
-        await until(lambda: rx.dropped["inbound_limit"] == 1, "the cut")
-        assert rx._buffered <= 10_000
+        hog_reader, hog = await raw_client(rx.endpoint, HEADER.pack(50_000) + b"x" * 7_000)
+        await until(lambda: rx._buffered == 7_004, "the stalled message")
+        _, other = await raw_client(rx.endpoint, HEADER.pack(50_000) + b"y" * 4_000)  # (goes over the budget)
+        assert await asyncio.wait_for(hog_reader.read(), 5.0) == b""
+        assert rx.dropped["inbound_limit"] == 1 and rx._buffered == 4_004 and len(rx._inbound) == 1
         tx.send(rx.endpoint, ping(1))  # (a small message still gets through)
         await until(lambda: len(got) == 1, "the next message")
-        writer.close()
+        hog.close()
         other.close()
 
 
@@ -552,3 +564,16 @@ async def test_a_connection_lost_before_its_connect_task_ends_is_reopened_for_wh
         assert made[1][1].written == [HEADER.pack(len(pack([b"second"]))) + pack([b"second"])]
         assert out.connecting is None and out.conn is made[1][0]
         del loop.create_connection
+
+
+@on_both_loops
+async def test_a_host_name_binds_one_address_and_advertises_it() -> None:
+    """(A name resolving to several addresses got a listener with its own random port on each.)"""
+    chan = StreamChannel("localhost", lambda m: None)
+    try:
+        endpoint = await chan.start()
+        assert chan._server is not None and len(chan._server.sockets) == 1
+        host, port = chan._server.sockets[0].getsockname()[:2]
+        assert endpoint == f"stream://{host}:{port}" and host == "127.0.0.1"
+    finally:
+        await chan.close()
