@@ -10,6 +10,7 @@ endpoints nobody vouched for.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -22,7 +23,7 @@ from ..proto.endpoints import transport_of
 from ..proto.messages import Message, VersionMismatch, decode, encode, pack, unpack
 from .ratelimit import RateLimitedLog
 
-__all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS", "ChannelBase"]
+__all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS", "ChannelBase", "running_in"]
 
 log = logging.getLogger("asynckv.control")
 
@@ -44,6 +45,14 @@ TRANSIENT_SOCKETS = 32
 TRANSIENT_PER_S = 50.0
 """Such replies per second at most (a burst of as many): beyond, they are dropped and counted, so
 messages naming made-up endpoints cannot open sockets (file descriptors) without bound."""
+
+
+def running_in(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is the loop running in this thread."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class ChannelBase:
@@ -76,6 +85,10 @@ class ChannelBase:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.send_failures = 0
         self._rl = RateLimitedLog(log)
+        self._setup()
+
+    def _setup(self) -> None:
+        """The transport's own state (each channel sets it up here, after the shared part)."""
 
     # -- in --------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .channel import MAX_MESSAGE_BYTES, READ_BATCH, TRANSIENT_PER_S, TRANSIENT_SOCKETS, ChannelBase, log
+from .channel import MAX_MESSAGE_BYTES, READ_BATCH, TRANSIENT_PER_S, TRANSIENT_SOCKETS, ChannelBase, log, running_in
 from .ratelimit import RateLimitedLog
 
 __all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS", "ControlChannel",
@@ -36,6 +36,8 @@ __all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "TRANSIENT_PER_S", "TRANSIENT_SOCK
 
 LINGER_MS = 1000
 """How long ZMQ keeps trying to deliver queued frames after a socket is closed."""
+
+
 @dataclasses.dataclass(eq=False)
 class _Peer:
     sock: zmq.asyncio.Socket
@@ -55,19 +57,10 @@ def _send_now(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
 
-def _running(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether ``loop`` is the loop running in this thread."""
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
-
-
 class ControlChannel(ChannelBase):
     """Receives control messages on one bound PULL socket and sends to peers' endpoints, in order."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _setup(self) -> None:
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._peers: dict[str, _Peer] = {}
@@ -90,7 +83,7 @@ class ControlChannel(ChannelBase):
         """Stop reading for good (tests simulate a dead reader with it; ``/health`` then fails). From
         another thread, the fd is unwatched on the loop, in its next round."""
         watch = self._watch
-        if watch is not None and not _running(watch[0]):
+        if watch is not None and not running_in(watch[0]):
             self._reading = False  # (read no more from now on; the loop unwatches the fd next round)
             try:
                 watch[0].call_soon_threadsafe(self.stop_reader)

@@ -38,7 +38,7 @@ import ipaddress
 import socket
 from typing import Any
 
-from .channel import TRANSIENT_SOCKETS, ChannelBase
+from .channel import TRANSIENT_SOCKETS, ChannelBase, running_in
 from .stream_conns import COALESCE_BYTES, HEADER, LINGER_S, MAX_BACKLOG, MAX_INBOUND, Connection, Inbound, Outbound
 
 __all__ = ["LINGER_S", "MAX_BACKLOG", "MAX_INBOUND", "StreamChannel"]
@@ -55,8 +55,7 @@ def _is_address(host: str) -> bool:
 class StreamChannel(ChannelBase):
     """Receives control messages on one listening TCP port and sends to peers' endpoints, in order."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _setup(self) -> None:
         if not self._one_frame:
             raise ValueError("the stream channel carries asynckv's wire only (one packed frame per message)")
         self._server: asyncio.Server | None = None
@@ -81,14 +80,9 @@ class StreamChannel(ChannelBase):
         """Stop reading for good: no new connection is accepted and none is read (``/health`` fails)."""
         self._reading, self._stopped = False, True
         loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                running = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                running = False
-            if not running:
-                loop.call_soon_threadsafe(self.stop_reader)
-                return
+        if loop is not None and not loop.is_closed() and not running_in(loop):
+            loop.call_soon_threadsafe(self.stop_reader)
+            return
         if self._server is not None:
             self._server.close()
         for conn in list(self._inbound):

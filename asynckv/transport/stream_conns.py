@@ -51,7 +51,8 @@ class Inbound(asyncio.Protocol):
         """Protected mode, a peer not on loopback: one message of ``FOREIGN_MAX_BYTES`` at most is
         read (to tell a registration why not), then the connection is cut."""
         self._turn: asyncio.Handle | None = None
-        self.last_rx = 0.0
+        self._loop = asyncio.get_running_loop()
+        self.last_rx = self._loop.time()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (create_server's TCP transports are)
@@ -66,7 +67,6 @@ class Inbound(asyncio.Protocol):
                            MAX_INBOUND, victim._origin or "a peer")
             victim.cut()
         self._transport = transport
-        self.last_rx = asyncio.get_running_loop().time()
         if ch._loopback_only:
             peer = transport.get_extra_info("peername")
             self._origin = str(peer[0]) if peer else "unknown"
@@ -81,7 +81,7 @@ class Inbound(asyncio.Protocol):
         if not ch._reading:  # (stopped: what a transport still delivers is not read)
             self.pause()
             return
-        self.last_rx = asyncio.get_running_loop().time()
+        self.last_rx = self._loop.time()
         self._buf += data
         ch._buffered += len(data)
         if ch._buffered > INBOUND_BYTES:  # the connection holding most goes, not the one that came last
@@ -148,7 +148,7 @@ class Inbound(asyncio.Protocol):
             return
         if handled == READ_BATCH and len(buf) >= HEADER.size:  # maybe more complete ones: after the others
             self.pause()
-            self._turn = asyncio.get_running_loop().call_soon(self._read)
+            self._turn = self._loop.call_soon(self._read)
         elif not transport.is_reading():
             transport.resume_reading()
 
