@@ -1,5 +1,5 @@
-"""What one control message costs on ZMQ, the control channel's transport, against a plain TCP
-stream read by the event loop itself: a ping-pong of 200-byte messages (a ``Status`` is 116 bytes
+"""What one control message costs on ZMQ against a plain TCP stream read by the event loop
+itself: a ping-pong of 200-byte messages (a ``Status`` is 116 bytes
 on the wire, a 5-page ``TransferInfo`` 242) between two processes on uvloop, one at a time.
 
 The ZMQ side does what ``transport/control.py`` does: a PUSH socket sends without blocking, a
@@ -7,8 +7,8 @@ PULL socket is read from a callback on its file descriptor until ``zmq.Again``. 
 an ``asyncio.Protocol`` with a 4-byte length before each message and ``TCP_NODELAY``. Reported:
 round-trip p50/p90 and CPU per round trip of each process (its own threads included: ZMQ's I/O
 thread does its part of every send and receive). Rounds alternate the two transports.
-The same exchange then runs through asynckv's two control channels, ``ControlChannel`` (ZMQ, the
-default) and ``StreamChannel`` (``control_transport="stream"``), to show what each costs in full
+The same exchange then runs through asynckv's two control channels, ``StreamChannel`` (TCP, the
+default) and ``ControlChannel`` (``control_transport="zmq"``), to show what each costs in full
 (packing, queues, the reader's batching; design decision 18).
 """
 
