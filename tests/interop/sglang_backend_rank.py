@@ -150,7 +150,39 @@ def settings_checks() -> dict[str, Any]:
         "early_send": refused({"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "1"}),
         "round_robin": refused({}, dp_size=2, load_balance_method="round_robin"),
         "follow": refused({}, dp_size=2, load_balance_method="follow_bootstrap_room"),
+        "failed_elsewhere": failed_elsewhere(),
     }
+
+
+def failed_elsewhere() -> dict[str, str]:
+    """A room another TP rank failed first (the MIN-reduce says Failed; this rank's room is open):
+    ``failure_exception()`` aborts (decode) or clears (prefill) it, and that abort landing at once,
+    before the reason is read, is scripted here. The reason must still say another rank failed it,
+    and the room must be failed on this rank by the abort."""
+    import types
+
+    from asynckv.errors import AsyncKVError
+    from asynckv.integrations.poll_state import PollState
+    from asynckv.integrations.sglang.backend import AsynckvKVReceiver, AsynckvKVSender
+    from asynckv.proto.states import KVPoll as Poll
+
+    now = types.SimpleNamespace(submit=lambda fn, *args: fn(*args))  # (the loop thread runs it at once)
+    receiver = AsynckvKVReceiver.__new__(AsynckvKVReceiver)
+    receiver.mgr, receiver.bootstrap_room, receiver._room = types.SimpleNamespace(thread=now), 41, PollState()
+    receiver._clear_when_fenced, receiver.fenced, receiver.abort_notified = False, False, False
+    receiver._view = types.SimpleNamespace(  # (the abort fails the room before failure_exception reads it)
+        abort_nowait=lambda reason: receiver._room.advance(Poll.Failed, AsyncKVError(reason)))
+    sender = AsynckvKVSender.__new__(AsynckvKVSender)
+    sender.bootstrap_room, sender._room, sender._cleared = 42, PollState(), False
+    sender._on_loop = lambda *args, **kwargs: sender._room.advance(Poll.Failed, AsyncKVError("cleared"))
+    out = {}
+    for name, room in (("receiver", receiver), ("sender", sender)):
+        try:
+            room.failure_exception()
+            out[name] = "(did not raise)"
+        except Exception as exc:
+            out[name] = f"{exc} | after: {room._room.error_text()}"
+    return out
 
 
 def bootstrap(port: int) -> None:

@@ -100,6 +100,10 @@ async def test_get_kv_class_returns_asynckvs_classes_only_after_install(sglang_b
     assert checks["empty_last_chunk"] is True and checks["empty_middle_chunk"] is False
     assert "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX" in checks["early_send"]
     assert "follow_bootstrap_room" in checks["round_robin"] and checks["follow"] == ""
+    for side, abort in (("receiver", "aborted by the scheduler"), ("sender", "cleared")):  # (failed first on
+        reason, after = checks["failed_elsewhere"][side].split(" | after: ")  # another rank; this rank's abort
+        assert "another TP rank" in reason and abort not in reason, reason  # lands before the reason is read)
+        assert after == abort, after
 
 
 async def test_the_launcher_offers_the_backend_on_sglangs_own_command_line(sglang_backend_python: pathlib.Path) -> None:
