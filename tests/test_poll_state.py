@@ -27,8 +27,9 @@ def test_a_failure_is_never_overwritten_whatever_the_order(
     failed_at = seen.index(KVPoll.Failed)
     assert all(p == KVPoll.Failed for p in seen[failed_at:])  # final once reached
     assert seen[:failed_at] == sorted(seen[:failed_at])  # and forward only before it
-    with pytest.raises(RuntimeError, match="decode aborted"):
-        state.raise_failure("room 7")
+    with pytest.raises(RuntimeError, match="decode aborted") as raised:
+        raise state.failure("room 7")
+    assert isinstance(raised.value.__cause__, Aborted)
 
 
 @pytest.mark.parametrize("events", list(itertools.permutations([
@@ -47,7 +48,7 @@ def test_success_is_final_and_nothing_moves_back(events: tuple[int, ...]) -> Non
 
 def test_a_rank_the_tp_group_failed_first_says_so() -> None:
     with pytest.raises(RuntimeError, match="another TP rank"):
-        PollState().raise_failure("room 9")
+        raise PollState().failure("room 9")
 
 
 def test_moves_from_two_threads_hold_the_lock() -> None:

@@ -43,9 +43,12 @@ class PollState:
         error = self.error
         return "failed" if error is None else (str(error) or type(error).__name__)
 
-    def raise_failure(self, what: str, error_type: type[Exception] = RuntimeError) -> None:
-        """Raise ``error_type`` with the reason (the room's exception as its cause)."""
+    def failure(self, what: str, error_type: type[Exception] = RuntimeError) -> Exception:
+        """``error_type`` with the reason (the room's exception as its cause), for the caller to raise.
+        Read it before acting on the room: an abort that lands first would otherwise pose as the reason."""
         error = self.error
         if error is None:  # the MIN over the TP group says Failed before this rank heard of it
-            raise error_type(f"{what}: not failed on this rank (yet): another TP rank's poll() failed it")
-        raise error_type(f"{what}: {str(error) or type(error).__name__}") from error
+            return error_type(f"{what}: not failed on this rank (yet): another TP rank's poll() failed it")
+        exc = error_type(f"{what}: {str(error) or type(error).__name__}")
+        exc.__cause__ = error
+        return exc

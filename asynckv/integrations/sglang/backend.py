@@ -246,14 +246,11 @@ class AsynckvKVSender(BaseKVSender):  # type: ignore[misc]
         return KVTransferMetric()
 
     def failure_exception(self) -> None:
-        """Raise the reason; SGLang drops a failed request after this without calling ``clear()``, so
-        the room is cleared here (a room still open on this rank, failed by another TP rank, is
-        aborted by it). The reason is read before the clear goes: an abort landing first would
-        otherwise pose as this rank's own failure."""
-        try:
-            self._room.raise_failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
-        finally:
-            self.clear()
+        """Raise the reason; SGLang drops a failed request after this without ``clear()``, so it clears
+        here (a room another TP rank failed, still open on this rank, is aborted by the clear)."""
+        error = self._room.failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
+        self.clear()  # (after the reason is read)
+        raise error
 
     def abort(self) -> None:
         self._room.advance(Poll.Failed, AsyncKVError("aborted by the scheduler"))  # (prefill's own pages:
@@ -370,12 +367,10 @@ class AsynckvKVReceiver(BaseKVReceiver):  # type: ignore[misc]
     def failure_exception(self) -> None:
         """Raise the reason. SGLang drops a failed request after this without ``clear()`` (0.5.10): the
         room is cleared here, once fenced; one still open on this rank (another TP rank failed it
-        first) is aborted by it, so its prefill stops writing (docs/integration.md, limits). The reason
-        is read before the abort goes: one landing first would otherwise pose as this rank's own."""
-        try:
-            self._room.raise_failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
-        finally:
-            self.ensure_abort_notified()
+        first) is aborted by it, so its prefill stops writing (docs/integration.md, limits)."""
+        error = self._room.failure(f"asynckv room {self.bootstrap_room}", SglangTransferError)
+        self.ensure_abort_notified()  # (after the reason is read)
+        raise error
 
     def ensure_abort_notified(self, force_arm: bool = False) -> None:
         """Abort this rank's room if it is still open, and clear it once fenced (SGLang 0.5.23 calls
