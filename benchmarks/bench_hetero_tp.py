@@ -9,6 +9,14 @@ staging area and sends one descriptor per page; the same run with staging off se
 token. TP2 -> TP1: each prefill rank's 4 heads go into half of every decode token row, one
 descriptor per token (no staging can help a strided destination on the prefill side). Rounds
 interleave the cases; medians and min-max spread. CPU: this process's, per GB moved.
+
+The machine's limit for a staged TP1 -> TP2, measured in the same rounds: staging adds a copy of
+every byte (the gather) to the write, and here both are CPU copies on the same two cores (CMA
+copies inside the posting thread). Equal TP already keeps both cores copying, so a staged write
+can at best take the equal-TP time plus the gather's: ceiling = 1 / (1/E + 1/G), with E the
+equal-TP GB/s and G the GB/s of gathering the same slices on two threads (as the rank's two
+build threads do). On a GPU host the gather runs on the GPU and the NIC copies, so the
+ceiling there is equal TP itself.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -78,12 +87,38 @@ async def _room(prefill: list[KVManager], decode: list[KVManager], addr: str, ro
         r.clear()
 
 
+def gather_gbps(layers: int, requests: int, pages: int, inflight: int, threads: int = 2) -> float:
+    """GB/s of gathering TP1 -> TP2's head slices (both decode ranks' halves, so every byte once)
+    of ``requests`` x ``pages`` pages into a staging area as large as ``inflight`` requests, the
+    requests' pages and staging runs taken in turn as the cases' are; entries split over ``threads``."""
+    half = HEADS * HEAD_DIM // 2
+    kv = [np.ones((inflight * pages, PAGE_SIZE, HEADS * HEAD_DIM), dtype=np.uint16) for _ in range(2 * layers)]
+    area = np.ones((inflight, 2, 2 * layers, pages, PAGE_SIZE, half), dtype=np.uint16)
+
+    def gather(k: int, entries: range) -> None:
+        for e in entries:
+            for r in (0, 1):
+                np.copyto(area[k, r, e], kv[e][k * pages:(k + 1) * pages, :, r * half:(r + 1) * half])
+
+    step = -(-len(kv) // threads)
+    parts = [range(i, min(i + step, len(kv))) for i in range(0, len(kv), step)]
+    with ThreadPoolExecutor(threads) as pool:
+        t = time.perf_counter()
+        for q in range(requests):
+            list(pool.map(gather, [q % inflight] * len(parts), parts))
+        elapsed = time.perf_counter() - t
+    return requests * pages * len(kv) * PAGE_SIZE * HEADS * HEAD_DIM * 2 / elapsed / 1e9
+
+
 async def run_case(tp_p: int, tp_d: int, config: dict[str, Any], layers: int, requests: int, pages: int,
                    inflight: int) -> dict[str, float]:
     async with _cluster(layers, inflight * pages, tp_p, tp_d, **config) as (prefill, decode, addr):
-        await _room(prefill, decode, addr, 10_000, np.arange(pages))  # first contact, outside the timing
         gate = asyncio.Semaphore(inflight)
         free = list(range(inflight))
+        # First contact and a first pass through the staging area (its pages are touched on first
+        # use), outside the timing: the steady state a long-running rank is in.
+        await asyncio.gather(*(_room(prefill, decode, addr, 10_000 + k, np.arange(pages) + k * pages)
+                               for k in range(inflight)))
 
         async def one(room: int) -> None:
             async with gate:
@@ -109,21 +144,31 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     args = parser.parse_args(argv)
     print(f"Heterogeneous TP, {args.requests} x {args.pages} pages, {args.inflight} in flight, same bytes:", flush=True)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in CASES}
+    gathers: list[float] = []
     for r in range(args.rounds):
+        gathers.append(gather_gbps(args.layers, args.requests, args.pages, args.inflight))
+        print(f"  round {r + 1} gather of the same slices on two threads: {gathers[-1]:5.2f} GB/s", flush=True)
         for name, tp_p, tp_d, config in (CASES if r % 2 == 0 else CASES[::-1]):
             run = asyncio.run(run_case(tp_p, tp_d, config, args.layers, args.requests, args.pages, args.inflight))
             runs[name].append(run)
             print(f"  round {r + 1} {name:38s}: {run['gbps']:5.2f} GB/s, {run['cpu_s_per_gb']:.2f} CPU s/GB",
                   flush=True)
     equal = statistics.median(x["gbps"] for x in runs[CASES[0][0]])
+    gather = statistics.median(gathers)
+    ceiling = 1 / (1 / equal + 1 / gather)
     rows = []
     for name, tp_p, tp_d, config in CASES:
         gbps = [x["gbps"] for x in runs[name]]
         rows.append({"case": name, "tp_prefill": tp_p, "tp_decode": tp_d, "staging": config.get("staging_bytes") != 0,
                      "gbps": statistics.median(gbps), "gbps_spread": [min(gbps), max(gbps)],
                      "cpu_s_per_gb": statistics.median(x["cpu_s_per_gb"] for x in runs[name]),
-                     "ratio_vs_equal_tp": statistics.median(gbps) / equal})
+                     "ratio_vs_equal_tp": statistics.median(gbps) / equal,
+                     **({"staged_ceiling_gbps": ceiling, "ratio_vs_staged_ceiling": statistics.median(gbps) / ceiling}
+                        if tp_p < tp_d and config.get("staging_bytes") != 0 else {})})
+    print(f"  staged ceiling 1/(1/{equal:.2f} + 1/{gather:.2f}) = {ceiling:.2f} GB/s "
+          f"({ceiling / equal:.2f}x equal TP)", flush=True)
     result = {"question": __doc__.strip().splitlines()[0], "rounds": args.rounds, "requests": args.requests,
+              "gather_gbps": gather, "gather_gbps_spread": [min(gathers), max(gathers)],
               "pages": args.pages, "inflight": args.inflight, "layers": args.layers, "rows": rows}
     write_result("hetero_tp", result, out_dir)
     return result

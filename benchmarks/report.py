@@ -99,6 +99,12 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                          f"{r['gbps_spread'][1]:.2f}), {r['cpu_s_per_gb']:.2f} CPU s/GB | {equal['case']}: "
                          f"{equal['gbps']:.2f} GB/s, {equal['cpu_s_per_gb']:.2f} CPU s/GB | "
                          f"{r['ratio_vs_equal_tp']:.2f}x | >= 0.8x |")
+            if "staged_ceiling_gbps" in r:
+                lines.append(f"| heterogeneous TP: {r['case']}, against this machine's limit for staging | "
+                             f"{r['gbps']:.2f} GB/s | equal TP plus a gather of the same slices on two threads "
+                             f"({ht['gather_gbps']:.2f} GB/s): {r['staged_ceiling_gbps']:.2f} GB/s, "
+                             f"{r['staged_ceiling_gbps'] / equal['gbps']:.2f}x equal TP | "
+                             f"{r['ratio_vs_staged_ceiling']:.2f}x | |")
     ct = _load(out, "control_transport")
     if ct:
         by = {r["transport"]: r for r in ct["rows"]}
