@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -180,11 +180,15 @@ async def decode_against_prefill_process(spec: Any, output: list[str] | None = N
                 output.extend(printed.splitlines())
 
 
-async def receive_plan(d: KVManager, spec: Any, dst_for: Any) -> tuple[list[float], float]:
+async def receive_plan(d: KVManager, spec: Any, dst_for: Any,
+                       started: Callable[[], None] | None = None) -> tuple[list[float], float]:
     """Receive every room of ``spec`` with ``spec.inflight`` in flight; slot k's pages are
-    ``dst_for(k)``. Returns each room's init-to-Success latency and the total seconds."""
+    ``dst_for(k)``. Returns each room's init-to-Success latency and the total seconds. The plan's
+    first ``spec.warmup`` rooms are received one at a time before the timing starts (``started()``
+    is called when it does)."""
     free = list(range(spec.inflight))
     latencies: list[float] = []
+    plan = spec.plan()
 
     async def one(req: Any) -> None:
         k = free.pop()
@@ -197,6 +201,11 @@ async def receive_plan(d: KVManager, spec: Any, dst_for: Any) -> tuple[list[floa
         receiver.clear()
         free.append(k)
 
+    for req in plan[:spec.warmup]:
+        await one(req)
+    latencies.clear()
+    if started is not None:
+        started()
     t0 = time.perf_counter()
-    await bounded(spec.plan(), spec.inflight, one)
+    await bounded(plan[spec.warmup:], spec.inflight, one)
     return latencies, time.perf_counter() - t0

@@ -294,6 +294,10 @@ def decode_recv(boot: str, room: int, pages: list[int], aux_index: int, mla: boo
             "kv": [b.tobytes().hex() for b in buffers], "aux": [a.tobytes().hex() for a in aux]}
 
 
+WARMUP_ROOM = 1_000_000
+"""The benchmark roles' warm-up room (first contact), served before the measured rooms 1..requests."""
+
+
 def bench_pools(spec: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     """A benchmark's KV pool (``buffers`` x ``inflight * pages`` pages of ``item`` bytes, faulted in)
     and its aux buffers (10 x ``inflight`` rows of 64 bytes): the geometry asynckv's side uses."""
@@ -305,7 +309,7 @@ def bench_pools(spec: dict[str, Any]) -> tuple[list[Any], list[Any]]:
 
 
 def bench_prefill(spec: dict[str, Any]) -> dict[str, Any]:
-    """SGLang's prefill serving rooms 1..requests the way its scheduler does: up to ``inflight``
+    """SGLang's prefill serving ``WARMUP_ROOM`` then rooms 1..requests the way its scheduler does: up to ``inflight``
     senders at once, each polled every loop iteration; request k's source is slot k's contiguous pages,
     sent as one chunk (``send()`` copies inside the call)."""
     import numpy as np
@@ -320,8 +324,8 @@ def bench_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     args.page_size = page_size
     mgr = NixlKVManager(args, DisaggregationMode.PREFILL, server_args(boot_port, page_size), False)
     print(json.dumps({"bootstrap": addr}), flush=True)
-    cpu0 = None  # (counted from the first destination: before it, this loop only waits for decode to start)
-    waiting = list(range(1, spec["requests"] + 1))
+    cpu0 = None  # (counted from the first destination after the warm-up room: before it, this loop only
+    waiting = [WARMUP_ROOM, *range(1, spec["requests"] + 1)]  # waits for decode to start, then first contact)
     active: dict[int, tuple[Any, int, bool]] = {}  # room -> (sender, slot, sent)
     free = list(range(inflight))
     while waiting or active:
@@ -331,7 +335,7 @@ def bench_prefill(spec: dict[str, Any]) -> dict[str, Any]:
         for room, (sender, slot, sent) in list(active.items()):
             state = sender.poll()
             if not sent and state == KVPoll.WaitingForInput:
-                cpu0 = cpu0 or os.times()
+                cpu0 = cpu0 or (os.times() if room != WARMUP_ROOM else None)
                 sender.init(pages, slot)
                 sender.send(np.arange(slot * pages, (slot + 1) * pages, dtype=np.int32))
                 active[room] = (sender, slot, True)
@@ -349,7 +353,8 @@ def bench_prefill(spec: dict[str, Any]) -> dict[str, Any]:
 def bench_decode(boot: str, spec: dict[str, Any]) -> dict[str, Any]:
     """SGLang's decode receiving rooms 1..requests with ``inflight`` in flight, polling every live
     receiver each loop iteration (notifications are drained inside ``poll()``); slot k's destination
-    is ``spec["dst"][k]``. Latency: ``send_metadata`` to ``poll()`` == Success."""
+    is ``spec["dst"][k]``. Latency: ``send_metadata`` to ``poll()`` == Success. ``WARMUP_ROOM`` warms the
+    pair up first, outside the timing and the CPU count, as asynckv's side does."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
@@ -363,6 +368,13 @@ def bench_decode(boot: str, spec: dict[str, Any]) -> dict[str, Any]:
     while not mgr.try_ensure_parallel_info(boot):
         time.sleep(0.05)
     dst = [np.asarray(d, dtype=np.int32) for d in spec["dst"]]
+    warmup = NixlKVReceiver(mgr, boot, WARMUP_ROOM)  # alone, before the timing: the first contact
+    warmup.init(0)
+    warmup.send_metadata(dst[0], 0, None)
+    while (state := warmup.poll()) != KVPoll.Success:
+        if state == KVPoll.Failed:
+            raise SystemExit("warm-up room failed")
+        time.sleep(0)
     cpu0, t0 = os.times(), time.perf_counter()
     waiting = list(range(1, spec["requests"] + 1))
     active: dict[int, tuple[Any, int, float]] = {}
