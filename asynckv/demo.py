@@ -247,7 +247,7 @@ async def _decode(spec: DemoSpec) -> int:
                 _emit("progress", **stats, elapsed=time.perf_counter() - start)
 
         # Wait for the prefill instance before starting the clock: process start-up is not transfer time.
-        await mgr.prefill_instance(spec.bootstrap)
+        await mgr.prefill_instance(spec.bootstrap, connect=True)
         start = time.perf_counter()
         reporter = asyncio.create_task(report())
         await bounded(spec.plan(), spec.inflight, receive)

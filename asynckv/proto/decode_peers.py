@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..errors import AsyncKVError, LayoutMismatch, PeerRestarted, PeerUnreachable
+from ..errors import AsyncKVError, LayoutMismatch, PeerRestarted, PeerUnreachable, RemoteProtocolError
 from .actions import ForgetEndpoint, PeerDown, PeerUp, Send
 from .bootstrap import PrefillRank
 from .core import Core
@@ -38,6 +38,7 @@ class RegistrationRules(Core):
         fetched_at: dict[str, float]
         _register: Register
         _sessions: Iterator[int]
+        closing: bool
 
         def fail(self, room: ReceiverRoom, error: BaseException, now: float) -> None: ...
 
@@ -46,6 +47,25 @@ class RegistrationRules(Core):
         def _maybe_send_destination(self, room: ReceiverRoom, now: float) -> None: ...
 
         def _target_plan(self, addr: str, instance: PrefillInstance, room: int) -> TargetPlan: ...
+
+    def preconnect(self, addr: str, now: float) -> int:
+        """Register now with every rank of the fetched instance at ``addr`` that this rank's rooms
+        would write from (each DP group's), so the first room does not wait for first contact;
+        returns how many registrations started. A registration with no room behaves as one whose
+        rooms are done: it times out without failing anything, and a refused one fails nothing."""
+        instance = self.instances.get(addr)
+        if instance is None or self.closing:
+            return 0
+        started = 0
+        for group in range(instance.dp_size):
+            try:
+                plan = self._target_plan(addr, instance, group)  # (rooms of DP group g: room % dp_size == g)
+            except (LayoutMismatch, RemoteProtocolError):
+                continue  # (the rooms of that group fail with the reason when they come)
+            for rank in plan.ranks:
+                started += rank.agent_id not in self.registrations
+                self._ensure_registration(rank, addr, now)
+        return started
 
     def _ensure_registration(self, rank: PrefillRank, addr: str, now: float) -> Registration:
         reg = self.registrations.get(rank.agent_id)
@@ -89,6 +109,8 @@ class RegistrationRules(Core):
             exc = PeerRestarted(msg.reason)
         else:
             exc = LayoutMismatch(f"prefill refused registration: {msg.reason}")
+        if not rooms:  # (say why now: no room waits on it, e.g. one made ahead of rooms; the next room hears it too)
+            log.warning("prefill rank %s refused a registration no room waits on: %s", msg.prefill_id[:8], exc)
         for room in rooms:
             self.fail(room, exc, now)
 

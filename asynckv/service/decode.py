@@ -66,16 +66,18 @@ class DecodeService(ReceiverPump):
         self.config = config
         self.handlers[act.FetchTopology] = self._on_fetch
 
-    async def instance(self, addr: str) -> PrefillInstance:
-        """The topology of the prefill at ``addr`` (fetched once, then cached by the core)."""
-        cached = self.core.instance(addr)
-        if cached is not None:
-            return cached
-        instance = await self.http.fetch_instance(addr, self.config.handshake_timeout_s)
-        a = self.core.kv_args
-        check_compatible(instance, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
-                         endpoint=self.core.endpoint)
-        self.feed("topology_fetched", addr, instance)
+    async def instance(self, addr: str, connect: bool = False) -> PrefillInstance:
+        """The topology of the prefill at ``addr`` (fetched once, then cached by the core); with
+        ``connect``, registration with the ranks this rank's rooms write from starts now."""
+        instance = self.core.instance(addr)
+        if instance is None:
+            instance = await self.http.fetch_instance(addr, self.config.handshake_timeout_s)
+            a = self.core.kv_args
+            check_compatible(instance, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
+                             endpoint=self.core.endpoint)
+            self.feed("topology_fetched", addr, instance)
+        if connect:
+            self.feed("preconnect", addr)
         return instance
 
     def _on_fetch(self, a: act.FetchTopology) -> None:

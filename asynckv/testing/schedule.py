@@ -3,7 +3,8 @@
 A schedule draws the cluster (prefill and decode instances of TP 1 or 2), a fault mix
 (message delay, loss, duplication; writes that fail, stall or crawl; connection
 failures), process faults (stops longer than the heartbeat bound, kills, restarts with a
-new incarnation, ``close()`` mid-transfer), and rooms: senders and receivers created in
+new incarnation, ``close()`` mid-transfer), decode ranks registering ahead of their rooms
+(``prefill_instance(connect=True)``), and rooms: senders and receivers created in
 either order, aborts from either side at any point, ``clear()`` mid-transfer, room ids
 reused after ``clear()``, and a small in-flight byte budget so writes wait for it.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import random
 import sys
 import time
 from typing import Any
@@ -56,6 +58,11 @@ def run_seed(seed: int, *, trace: bool = False, config: Config = SIM_CONFIG) -> 
     driver = Driver(world)
     driver.reuse = rng.choice((0.0, 0.2, 0.5))
     driver.build()
+    ahead = random.Random(seed ^ 0x5EED)  # (a stream of its own: the draws above and below stay as they were)
+    for node in (n for group in world.decode for n in group):
+        if ahead.random() < 0.3:  # prefill_instance(connect=True): registered ahead of its rooms, if up by then
+            world.at(ahead.uniform(0, WORKLOAD_S), world.look_up, node, world.addr(ahead.randrange(len(world.prefill))),
+                     True)
     for _ in range(rng.randint(4, 14 if heavy else 8)):
         driver.start_room(rng.uniform(0, WORKLOAD_S))
     process_faults = rng.choice((0, 1, 2, 3)) if heavy else rng.choice((0, 0, 1))

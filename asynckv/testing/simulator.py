@@ -366,17 +366,31 @@ class World(SimDataPlane):
 
     # -- data plane ----------------------------------------------------------------------
 
-    def _topology(self, node: SimNode, addr: str) -> None:
+    def _instance(self, addr: str) -> PrefillInstance | None:
+        """The topology the bootstrap server at ``addr`` answers now (None: not every rank is up)."""
         ranks = self.registry.get(addr, {})
         group = int(addr[1:].split(":")[0])
         tp = len(self.prefill[group]) if group < len(self.prefill) else 0
         if len(ranks) < tp or tp == 0:
-            self.drive(node, "topology_fetched", addr, PeerUnreachable(f"bootstrap server {addr}: not ready"))
+            return None
+        return PrefillInstance(tp_size=tp, pp_size=1, dp_size=1, page_size=1, kv_dtype="bfloat16", is_mla=False,
+                               protocol_version=PROTOCOL_VERSION,
+                               ranks={(0, r, 0): info for r, info in sorted(ranks.items())})
+
+    def _topology(self, node: SimNode, addr: str) -> None:
+        instance = self._instance(addr)
+        self.drive(node, "topology_fetched", addr, instance or PeerUnreachable(f"bootstrap server {addr}: not ready"))
+
+    def look_up(self, node: SimNode, addr: str, connect: bool = False) -> None:
+        """``prefill_instance(addr, connect=...)`` answered at once: the topology (unless known; one not
+        ready is the caller's error there, the core hears nothing), then with ``connect`` preconnect."""
+        if not node.alive:
             return
-        instance = PrefillInstance(tp_size=tp, pp_size=1, dp_size=1, page_size=1, kv_dtype="bfloat16", is_mla=False,
-                                   protocol_version=PROTOCOL_VERSION,
-                                   ranks={(0, r, 0): info for r, info in sorted(ranks.items())})
-        self.drive(node, "topology_fetched", addr, instance)
+        instance = None if addr in node.core.instances else self._instance(addr)
+        if instance is not None:
+            self.drive(node, "topology_fetched", addr, instance)
+        if connect:
+            self.drive(node, "preconnect", addr)  # (no registration while the topology is unknown)
 
     # -- invariants ----------------------------------------------------------------------
 

@@ -82,6 +82,28 @@ async def test_destination_may_arrive_before_the_sender_exists() -> None:
         pair.assert_no_room_state()
 
 
+async def test_prefill_instance_with_connect_registers_before_the_first_room() -> None:
+    """``prefill_instance(addr, connect=True)`` starts first contact (NIXL and UCX set-up, warm-up
+    write) with no room open; the first room then finds the pair connected, and its bytes land."""
+    async with make_pair() as pair:
+        assert pair.prefill.snapshot()["peers"] == []
+        instance = await pair.decode.prefill_instance(pair.addr, connect=True)
+        counts = pair.decode.room_counts()
+        assert instance.tp_size == 1 and counts["receivers"] == 0 and counts["registrations_pending"] == 1
+        for _ in range(1000):
+            peers = pair.prefill.snapshot()["peers"]
+            if peers and peers[0]["phase"] == "connected":
+                break
+            await asyncio.sleep(0.005)
+        assert [(p["peer"], p["phase"], p["rooms"]) for p in peers] == [(pair.decode.name, "connected", 0)]
+        await pair.decode.prefill_instance(pair.addr, connect=True)  # again: nothing more to register
+        assert len(pair.prefill.snapshot()["peers"]) == 1
+        assert await transfer_room(pair, 4, [1, 2], [7, 9]) == (KVPoll.Success, KVPoll.Success)
+        check_landed(pair, 4, [7, 9])
+        assert [p["session"] for p in pair.prefill.snapshot()["peers"]] == [peers[0]["session"]]  # the same one
+        pair.assert_no_room_state()
+
+
 async def test_bad_local_input_is_refused_and_nothing_is_lost() -> None:
     async with make_pair() as pair:
         receiver = pair.decode.receiver(pair.addr, 1)

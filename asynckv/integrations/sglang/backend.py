@@ -108,7 +108,7 @@ class AsynckvKVManager(BaseKVManager):  # type: ignore[misc]
         return False
 
     def _look_up(self, addr: str) -> None:
-        task = self.manager.loop.create_task(self.manager.prefill_instance(addr))
+        task = self.manager.loop.create_task(self.manager.prefill_instance(addr, connect=True))
 
         def done(task: Any) -> None:
             self._looking_up.discard(addr)
