@@ -371,6 +371,8 @@ class DecodeCore(RegistrationRules):
         for prefill_id, reg in list(self.registrations.items()):
             self._emit(Send(reg.rank.endpoint, Bye(self.name, reg.session, "manager closed")))
             self.liveness.remove(prefill_id)
+            self.deadlines.arm(reg, None)  # (a pending one: its timer stops with the service)
+        self.registrations.clear()
         self._emit(Closed())
 
     def room_counts(self) -> dict[str, int]:

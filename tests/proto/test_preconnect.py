@@ -97,3 +97,16 @@ def test_preconnect_registers_with_every_dp_groups_ranks() -> None:
     assert c.w.drive(d, "preconnect", addr) == 2
     assert sorted(m.prefill_id for _, m in c.sent(d, Register)) == sorted([rank.agent_id, second.agent_id])
 
+
+
+def test_closing_with_a_preconnect_pending_leaves_nothing_in_the_tables() -> None:
+    """Found by review: a registration still unanswered at close stayed in the table for good (the
+    service stops the timer that would have expired it). Close says goodbye and drops it."""
+    c = Cluster()
+    d = c.d[0]
+    c.w.look_up(d, c.w.addr(0), connect=True)
+    c.w.drive(d, "close")
+    assert d.core.closed and d.core.room_counts()["registrations_pending"] == 0
+    c.run_ms(50)  # the answer arrives after close: dropped as stale
+    c.w.check_empty(d)
+    c.check()
