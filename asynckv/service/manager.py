@@ -305,7 +305,7 @@ class KVManager:
     async def prefill_instance(self, addr: str, *, connect: bool = False) -> PrefillInstance:
         """The topology of the prefill at ``addr``, fetched once and cached (decode only). With
         ``connect``, this rank also starts registering with the prefill ranks its rooms will write
-        from (first contact: NIXL and UCX set-up, some 45 ms on a 2-core VM), without waiting for it,
+        from (first contact: NIXL and UCX set-up, 23-50 ms on a 2-core VM), without waiting for it,
         so the first room does not pay it."""
         svc = self._open(Mode.DECODE)
         if not isinstance(svc, DecodeService):
