@@ -66,6 +66,12 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
     if fc:
         lines.append(f"| Q6 first contact | median {fc['median_ms']:.1f} ms, p90 {fc['p90_ms']:.1f} ms | | | "
                      f"< 100 ms |")
+        fr = fc.get("first_room_ms")
+        if fr:
+            lines.append(f"| Q6 a fresh decode's first 1-page room, init() to Success, after "
+                         f"`prefill_instance(connect=True)` | median {fr['preconnected']['median']:.1f} ms | cold: "
+                         f"{fr['cold']['median']:.1f} ms; a later room on the pair: {fr['later']['median']:.1f} ms | "
+                         f"{fr['preconnected']['median'] / fr['cold']['median']:.2f}x | |")
     sim = _load(out, "simulator")
     if sim:
         lines.append(f"| Q7 simulator: seeded fault schedules over the real cores | {sim['schedules']:,} schedules, "
