@@ -2,8 +2,7 @@
 run): a prefill process and a decode process on this machine, DRAM, UCX over loopback, 32 layers
 MHA = 64 buffers of 32 KiB pages (2 MiB per page); 8 rooms in flight unless noted. Decode latency:
 init() to Success, after one warm-up room (``WARMUP``). Pages are not filled or verified (the demo
-does that). ``bench_sglang`` runs
-these cases beside SGLang's own connector, in the same run.
+does that). ``bench_sglang`` runs these cases beside SGLang's own connector, in the same run.
 """
 
 from __future__ import annotations
