@@ -110,13 +110,15 @@ class DecodeCore(RegistrationRules):
         if self._beat_due(now):
             self._heartbeat(now)
 
-    def topology_fetched(self, addr: str, result: PrefillInstance | BaseException, now: float) -> None:
-        """The answer to ``FetchTopology``: the instance, or why it could not be had."""
+    def topology_fetched(self, addr: str, result: PrefillInstance | BaseException, now: float
+                         ) -> LayoutMismatch | None:
+        """The answer to ``FetchTopology`` (or to the application's look-up): the instance, or why it
+        could not be had. Returns why an instance it got cannot pair with this rank, if it cannot."""
         waiting = self.fetching.pop(addr, [])
         if isinstance(result, BaseException):
             for room in waiting:
                 self.fail(room, result, now)
-            return
+            return None
         a = self.kv_args
         try:
             check_compatible(result, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
@@ -124,7 +126,7 @@ class DecodeCore(RegistrationRules):
         except LayoutMismatch as exc:
             for room in waiting:
                 self.fail(room, exc, now)
-            return
+            return exc
         old = self.instances.get(addr)
         if old is not None:
             self._retire_replaced(old, result, now)
@@ -135,6 +137,7 @@ class DecodeCore(RegistrationRules):
                 self._plan_room(room, result, now)
             elif room.plan is None:  # failed while the look-up was on its way
                 self._abort_unplanned(room, result)
+        return None
 
     def close(self, now: float) -> None:
         """Fail every room; ``Closed`` follows once every room is fenced, then goodbyes are queued."""

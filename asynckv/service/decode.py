@@ -11,7 +11,7 @@ from ..errors import AsyncKVError
 from ..proto import actions as act
 from ..proto.decode import DecodeCore
 from ..proto.receiver import ReceiverRoom
-from ..proto.topology import PrefillInstance, check_compatible
+from ..proto.topology import PrefillInstance
 from ..transport.base import ControlPlane
 from .bootstrap import BootstrapClient
 from .pump import Pump
@@ -72,10 +72,9 @@ class DecodeService(ReceiverPump):
         instance = self.core.instance(addr)
         if instance is None:
             instance = await self.http.fetch_instance(addr, self.config.handshake_timeout_s)
-            a = self.core.kv_args
-            check_compatible(instance, page_size=a.page_size, kv_dtype=a.kv_dtype, is_mla=a.is_mla,
-                             endpoint=self.core.endpoint)
-            self.feed("topology_fetched", addr, instance)
+            refused = self.feed("topology_fetched", addr, instance)  # (the core checks it can pair)
+            if refused is not None:
+                raise refused
         if connect:
             self.feed("preconnect", addr)
         return instance

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from asynckv import InvalidArgument, KVPoll, LocalProtocolError
+from asynckv import InvalidArgument, KVPoll, LayoutMismatch, LocalProtocolError
 from asynckv.testing import verify_pages
 
 from .conftest import check_landed, make_pair, transfer_room
@@ -102,6 +102,13 @@ async def test_prefill_instance_with_connect_registers_before_the_first_room() -
         check_landed(pair, 4, [7, 9])
         assert [p["session"] for p in pair.prefill.snapshot()["peers"]] == [peers[0]["session"]]  # the same one
         pair.assert_no_room_state()
+
+
+async def test_prefill_instance_refuses_a_prefill_this_rank_cannot_pair_with() -> None:
+    async with make_pair(decode_fields={"page_size": 8}) as pair:
+        with pytest.raises(LayoutMismatch, match="page_size"):
+            await pair.decode.prefill_instance(pair.addr, connect=True)
+        assert not any(pair.decode.room_counts().values()) and pair.prefill.snapshot()["peers"] == []
 
 
 async def test_bad_local_input_is_refused_and_nothing_is_lost() -> None:
