@@ -32,11 +32,11 @@ async def run_case(requests: int, pages: int, inflight: int, scattered: bool, sc
     printed: list[str] = []
     async with decode_against_prefill_process(spec, printed) as (d, spec, pool):
         rng = np.random.default_rng(1)
-        c0 = [os.times()]
+        started: list[os.times_result] = []  # (when the warm-up is done)
         latencies, elapsed = await receive_plan(d, spec, lambda k: rng.permutation(spec.pool_pages)[:pages]
                                                 if scattered else np.arange(pages) + k * pages,
-                                                started=lambda: c0.__setitem__(0, os.times()))
-        c1 = os.times()
+                                                started=lambda: started.append(os.times()))
+        c0, c1 = started[0], os.times()
     # Both sides' CPU while serving, as the SGLang peer counts it: prefill's from its first
     # destination after the warm-up to its last room, decode's from the warm-up done to the last Success.
     # (The whole prefill process also pays start-up: imports, the pool's page faults, NIXL set-up.)
@@ -45,7 +45,7 @@ async def run_case(requests: int, pages: int, inflight: int, scattered: bool, sc
     lat = np.asarray(latencies) * 1e3
     nbytes = requests * pages * pool.page_bytes
     return {"gbps": nbytes / elapsed / 1e9, "rps": requests / elapsed, "p50_ms": float(np.percentile(lat, 50)),
-            "p99_ms": float(np.percentile(lat, 99)), "cpu_decode_s": c1.user + c1.system - c0[0].user - c0[0].system,
+            "p99_ms": float(np.percentile(lat, 99)), "cpu_decode_s": c1.user + c1.system - c0.user - c0.system,
             "cpu_prefill_s": serving["serving_s"]}
 
 
