@@ -6,22 +6,22 @@ machine (2-core VM, UCX over loopback, DRAM):
 - on one host ``transfer()`` performs the whole DRAM copy inside the call (256 MiB took about 50 ms) and
   ``add_remote_agent`` takes about 20 ms: none of it may run on the event loop;
 - the stock progress thread spins a whole core, so it is off and this thread drives progress: tightly while
-  transfers are in flight, backing off to ``idle_poll_s`` when idle (a target that stops progressing stalls its
-  initiators); a stopped peer leaves a handle in ``PROC`` forever (20 s and more seen): every post has a deadline.
+  transfers are in flight, else every ``idle_poll_s`` while peers may write to us (a target that stops progressing
+  stalls its initiators), else every ``deep_idle_s``; a stopped peer leaves a handle in ``PROC`` forever (20 s and
+  more seen): every post has a deadline.
 
 The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop drains a few per
 round. A post is a series of handles, one in flight at a time; its write lease and the cancel set are checked
 before each starts, so a cancelled or lease-lapsed post lands at most the handle already in flight (posting every
 handle at once let a slow TCP post land bytes for seconds past its lease in the simulator).
 
-NIXL cannot cancel a transfer in flight: releasing a ``PROC`` handle lets UCX finish it into freed memory, and
-tearing an agent down under requests queued to a stopped peer aborted the process (docs/failures.md). So a post
-that is cancelled, loses its lease or its peer *stops*: it starts no further handle and settles (with the error)
-once the handle already in flight completed or failed. Only a post unfinished at its deadline, or at close,
-settles with a handle in flight: the handle is *parked*, polled each round and released once it completes or
-fails. Forgetting a peer and closing run as one sequence on this thread; if handles are still parked at close (a
-peer stopped for good), the agent and its registrations are kept until the process exits, whatever step of the
-close raised.
+NIXL cannot cancel a transfer in flight: releasing a ``PROC`` handle lets UCX finish it into freed memory, and tearing
+an agent down under requests queued to a stopped peer aborted the process (docs/failures.md). So a post that is
+cancelled, loses its lease or its peer *stops*: it starts no further handle and settles (with the error) once the
+handle already in flight completed or failed. Only a post unfinished at its deadline, or at close, settles with a
+handle in flight: the handle is *parked*, polled each round and released once it completes or fails. Forgetting a peer
+and closing run as one sequence on this thread; if handles are still parked at close (a peer stopped for good), the
+agent and its registrations are kept until the process exits, whatever step of the close raised.
 """
 
 from __future__ import annotations
@@ -63,9 +63,8 @@ class NixlEngine:
         """(name, backend) -> agent, called on the engine thread (tests pass a recording fake)."""
         self._idle_poll_s = idle_poll_s
         self._deep_idle_s = max(deep_idle_s, idle_poll_s)
-        self._expecting = expecting
-        """True while peers may write to us (decode rooms waiting): keep the target progressing every
-        ``idle_poll_s``; otherwise back off to ``deep_idle_s`` (our own commands wake us)."""
+        self._expecting = expecting or (lambda: True)
+        """Whether peers may write to us (decode rooms waiting): poll every ``idle_poll_s``, else ``deep_idle_s``."""
         self.on_settled: Settled = lambda batch: None
         self.on_notified: Notified | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -275,20 +274,21 @@ class NixlEngine:
             self._round = ([], [])  # (delivered: nothing of this round is left for the loop to settle)
             if stop:
                 return
-            if done:
-                idle_wait = _MIN_IDLE_WAIT_S
-                time.sleep(0)  # progress was made: go again at once, but yield the GIL
-            else:  # back off: a little while transfers are in flight (a spinning poller would take
-                # the CPU that the copy, in the kernel with CMA, and the peer need), more when idle
+            if done:  # progress was made: go again at once, but yield the GIL; poll soon after only if more than
+                # our own commands (they end any wait) may need us (polling at 20, 40 ... us after each post took
+                # 6-15% off a prefill's rate of 1-page rooms, both cores busy)
+                polled = self._in_flight or self._parked or self._expecting()
+                idle_wait = _MIN_IDLE_WAIT_S if polled else self._deep_idle_s
+                time.sleep(0)
+            else:  # back off: a little while transfers are in flight (spinning takes the copy's CPU), more when idle
+                if self._in_flight and idle_wait > _MAX_BUSY_WAIT_S:  # (a post went in flight after an idle wait)
+                    idle_wait = _MIN_IDLE_WAIT_S
                 try:  # the queue is the wake-up too: a command ends the wait (C, unlike Event.wait)
                     self._woken.append(self._commands.get(timeout=idle_wait))
                 except queue.Empty:
                     pass
-                if self._in_flight:
-                    idle_wait = min(idle_wait * 2, _MAX_BUSY_WAIT_S)
-                else:
-                    expecting = self._expecting is None or self._expecting()
-                    idle_wait = min(idle_wait * 2, self._idle_poll_s if expecting else self._deep_idle_s)
+                idle_wait = min(idle_wait * 2, _MAX_BUSY_WAIT_S if self._in_flight else
+                                self._idle_poll_s if self._expecting() else self._deep_idle_s)
 
     def _refusal(self, post: PostCmd, now: float) -> BaseException | None:
         """Why ``post`` may start no further handle, or None."""
