@@ -108,7 +108,7 @@ class WriteBuilder:
         self.config = config
         self.dev = a.gpu_id if a.mem_kind == "VRAM" else 0
         self.kv_ptrs, _, self.kv_items = a.kv_arrays()
-        # Per-post constants (KVArgs computes num_pages from every entry on each call).
+        # Per-post constants.
         self._num_pages, self._num_entries = a.num_pages, a.num_entries
         self._page_bytes, self._max_item = int(self.kv_items.sum()), max(1, int(self.kv_items.max(initial=0)))
         self.aux_ptrs = np.asarray(a.aux_data_ptrs, dtype=np.uint64)
