@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ..errors import BootstrapTimeout, PeerUnreachable, RemoteProtocolError
+from ..errors import BootstrapTimeout, ClosedError, PeerUnreachable, RemoteProtocolError
 from ..proto.auth import AUTH_HEADER, Authenticator, AuthError
 from ..proto.bootstrap import PayloadError, PrefillRank, RankTable, RouteConflict, lease_key
 from ..proto.topology import PrefillInstance
@@ -225,13 +225,18 @@ class BootstrapClient:
         self._session: aiohttp.ClientSession | None = None
         self._lease = secrets.token_hex(16)
         self._renewals: dict[tuple[str, tuple[int, int, int]], asyncio.Task[None]] = {}
+        self._closed = False
+        """Closed: every request raises ``ClosedError`` (a look-up under way, retrying 503s, stops)."""
 
     def _http(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise ClosedError("the bootstrap client is closed")
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         return self._session
 
     async def close(self) -> None:
+        self._closed = True
         for task in self._renewals.values():
             task.cancel()
         await asyncio.gather(*self._renewals.values(), return_exceptions=True)
@@ -255,6 +260,8 @@ class BootstrapClient:
                     answer = text
                 return resp.status, answer
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:  # (not TimeoutError before 3.11)
+            if self._closed:  # (close() cut it)
+                raise ClosedError(f"the bootstrap client closed during {method} {path} at {addr}") from exc
             raise PeerUnreachable(f"bootstrap server {addr} unreachable: {exc!r}") from exc
 
     async def _put_rank(self, addr: str, rank: PrefillRank) -> tuple[int, Any]:

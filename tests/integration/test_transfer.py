@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from asynckv import InvalidArgument, KVPoll, LayoutMismatch, LocalProtocolError
+from asynckv import ClosedError, InvalidArgument, KVPoll, LayoutMismatch, LocalProtocolError
 from asynckv.testing import verify_pages
 
 from .conftest import check_landed, make_pair, transfer_room
@@ -109,6 +109,40 @@ async def test_prefill_instance_refuses_a_prefill_this_rank_cannot_pair_with() -
         with pytest.raises(LayoutMismatch, match="page_size"):
             await pair.decode.prefill_instance(pair.addr, connect=True)
         assert not any(pair.decode.room_counts().values()) and pair.prefill.snapshot()["peers"] == []
+
+
+@pytest.mark.parametrize("stall", ["no answer", "not ready"])
+async def test_closing_the_decode_during_a_prefill_look_up_raises_closed(stall: str) -> None:
+    """close() while ``prefill_instance`` waits for the bootstrap server (which accepted the connection but
+    does not answer, or answers 503 as its ranks are not all registered): the look-up raises ClosedError,
+    not an error about the peer, and close() does not wait for the look-up's timeout."""
+    accepted = asyncio.Event()
+
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):  # (each request, read whole)
+                if stall == "not ready":
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 2\r\n\r\n{}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    bootstrap = await asyncio.start_server(server, "127.0.0.1", 0)
+    addr = f"127.0.0.1:{bootstrap.sockets[0].getsockname()[1]}"
+    try:
+        async with make_pair(handshake_timeout_s=60.0) as pair:
+            look_up = asyncio.ensure_future(pair.decode.prefill_instance(addr, connect=True))
+            await asyncio.wait_for(accepted.wait(), 5)
+            await asyncio.sleep(0.05)  # (several 503s answered by now)
+            await asyncio.wait_for(pair.decode.close(), 10)
+            with pytest.raises(ClosedError):
+                await asyncio.wait_for(look_up, 5)
+    finally:
+        bootstrap.close()
+        await bootstrap.wait_closed()
 
 
 async def test_bad_local_input_is_refused_and_nothing_is_lost() -> None:
