@@ -41,12 +41,15 @@ Without ``bootstrap`` (host:port) a role starts SGLang's own bootstrap server. G
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import importlib.abc
 import importlib.machinery
 import json
 import os
 import pathlib
+import signal
 import socket
 import sys
 import time
@@ -400,7 +403,16 @@ def bench_decode(boot: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"elapsed_s": elapsed, "latencies_s": latencies, "cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system}
 
 
+def die_with_parent() -> None:
+    """Be killed when the process that started us dies (Linux ``PR_SET_PDEATHSIG``): SGLang's connector has no
+    liveness of its own, and a bench-prefill left behind by a killed benchmark kept serving nobody, spinning a
+    whole core for as long as the machine ran (it skewed every later measurement)."""
+    with contextlib.suppress(AttributeError, OSError):  # (not Linux: the caller's own cleanup is all there is)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def main() -> None:
+    die_with_parent()
     os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # S5
     install_shims()
     role = sys.argv[1]
