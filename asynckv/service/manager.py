@@ -10,6 +10,7 @@ descriptor math (on a worker thread).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import uuid
@@ -76,6 +77,12 @@ class KVManager:
             split_addr(bootstrap_addr)
         self.mode = mode
         self.kv_args = kv_args
+        """The rank's buffers; once closed, the same without ``owners`` (a closed manager pins no memory)."""
+        self._args = dataclasses.replace(kv_args, owners=())
+        """What the services and the write builder hold: they live in reference cycles (bound methods
+        as callbacks), freed only by the cyclic GC; holding the owners there kept a closed manager's
+        pools (4 GiB each in the reference workload) alive until a collection, and 5 rounds ran out of
+        memory. The data plane keeps the owners while registered (``MemoryLayout.keep``)."""
         self.config = config if config is not None else Config.from_env()
         self.bootstrap_addr = bootstrap_addr
         self.name = str(uuid.uuid4())
@@ -84,8 +91,8 @@ class KVManager:
         self.page_bytes = int(sum(kv_args.kv_item_lens))
         """Bytes one page index moves across all KV entries."""
         self.data_plane_factory: Callable[[str, Config, Callable[[], bool], int], DataPlane] = _nixl_plane
-        """(name, config, expecting, lanes) -> the data plane, made at start."""
-        """Makes this manager's data plane at ``start()`` (``asynckv.testing`` swaps in fakes)."""
+        """(name, config, expecting, lanes) -> this manager's data plane, made at ``start()`` (``asynckv.testing``
+        swaps in fakes)."""
         self._svc: PrefillService | DecodeService | SglangDecodeService | None = None
         self._data: DataPlane | None = None
         self._control: ControlPlane | None = None
@@ -173,14 +180,14 @@ class KVManager:
     async def _start(self) -> None:
         cfg, prefill = self.config, self.mode is Mode.PREFILL
         labels = (self.mode.value, self.name[:8])
-        builder = WriteBuilder(self.kv_args, cfg)
+        builder = WriteBuilder(self._args, cfg)
         # A decode target must keep progressing while prefill may write into it (an unpolled
         # target stalls its initiators); with no room waiting it can sleep longer.
         # Only the side that posts copies, so only prefill spreads its writes over lanes.
         data = self._data = self.data_plane_factory(self.name, cfg, (lambda: False) if prefill else self._expecting,
                                                     cfg.write_lanes if prefill else 1)
         scratch = (int(self._scratch.ctypes.data), SCRATCH_BYTES)
-        metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill))
+        metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill, keep=self.kv_args.owners))
         auth = Authenticator(cfg.auth_token) if cfg.auth_token else None
         codec = (decode_frames, encode_sglang) if self.sglang else (decode_message, encode_message)
         channel = StreamChannel if cfg.control == "stream" else ControlChannel
@@ -189,7 +196,7 @@ class KVManager:
                                           on_refused=self._on_refused, codec=codec, one_frame=not self.sglang)
         endpoint = await control.start()
         if prefill:
-            core = (SglangPrefillCore if self.sglang else PrefillCore)(self.name, endpoint, self.kv_args, cfg)
+            core = (SglangPrefillCore if self.sglang else PrefillCore)(self.name, endpoint, self._args, cfg)
             self._svc = PrefillService(core, control, data, builder, cfg, labels)
             await self._start_prefill()
         elif self.sglang:
@@ -208,8 +215,8 @@ class KVManager:
             data.on_notified = sglang.on_notified
             self._svc = sglang
         else:
-            register = _register_template(self.name, endpoint, self.kv_args, scratch, metadata)
-            decode = DecodeCore(self.name, endpoint, self.kv_args, cfg, register, random_sessions())
+            register = _register_template(self.name, endpoint, self._args, scratch, metadata)
+            decode = DecodeCore(self.name, endpoint, self._args, cfg, register, random_sessions())
             self._svc = DecodeService(decode, control, self._http, cfg, labels)
         metrics.register_manager(self)
         if cfg.ops_port >= 0:
@@ -277,6 +284,7 @@ class KVManager:
         if self.ops_server is not None:
             await self.ops_server.close()
         metrics.forget_manager(self)
+        self.kv_args = self._args  # (every step closed: nothing of ours can touch the memory now)
 
     # -- rooms -----------------------------------------------------------------------------
 

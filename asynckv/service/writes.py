@@ -123,8 +123,10 @@ class WriteBuilder:
         """Where head slices are gathered into whole pages (a prefill with DRAM KV; see ``staging``)."""
         self._kv_views: dict[int, npt.NDArray[np.uint8]] = {}
 
-    def memory_layout(self, scratch: tuple[int, int], prepare_local: bool) -> MemoryLayout:
-        """KV and state in the rank's memory kind; aux and the scratch area in DRAM."""
+    def memory_layout(self, scratch: tuple[int, int], prepare_local: bool,
+                      keep: tuple[object, ...] = ()) -> MemoryLayout:
+        """KV and state in the rank's memory kind; aux and the scratch area in DRAM. ``keep``: what owns that
+        memory (the data plane holds it while registered, and until exit behind a transfer it cannot stop)."""
         a = self.args
         kv = np.array([[int(p), int(n), self.dev] for p, n in zip(
             [*a.kv_data_ptrs, *a.state_data_ptrs], [*a.kv_data_lens, *a.state_data_lens], strict=True)],
@@ -142,7 +144,7 @@ class WriteBuilder:
             local = dlist_rows(self.kv_ptrs, self.kv_items, self.kv_items, a.num_pages, self.dev, tail)
             if tail is not None:
                 self._aux_base = len(self.kv_ptrs) * a.num_pages
-        keep = (self.staging.buffer,) if self.staging is not None else ()
+        keep = (*keep, self.staging.buffer) if self.staging is not None else keep
         return MemoryLayout(((a.mem_kind, kv), ("DRAM", dram)), local, a.mem_kind, scratch, keep)
 
     def _aux_preparable(self) -> bool:

@@ -218,12 +218,14 @@ class NixlEngine:
             for handle in self._reg_handles:
                 self._agent.deregister_memory(handle)
             self._reg_handles.clear()
+            self._memory = None  # (its rows, and what owns the memory: ours no longer)
         except BaseException:  # a step raised: park what is still in flight and keep the agent for it
             for post in self._in_flight:
                 self._finish(post, post.stop or ClosedError("data plane closed"), done)
             self._in_flight = []
             if self._parked:
-                keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles))
+                keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles,
+                                 self._memory))
             raise
         finally:
             self._deliver(done)
@@ -274,9 +276,8 @@ class NixlEngine:
             self._round = ([], [])  # (delivered: nothing of this round is left for the loop to settle)
             if stop:
                 return
-            if done:  # progress was made: go again at once, but yield the GIL; poll soon after only if more than
-                # our own commands (they end any wait) may need us (polling at 20, 40 ... us after each post took
-                # 6-15% off a prefill's rate of 1-page rooms, both cores busy)
+            if done:  # progress made: go again at once, but yield the GIL; poll soon only if more than our commands
+                # (they end any wait) may need us (polls at 20, 40 ... us after each post cost 6-15% of 1-page rooms/s)
                 polled = self._in_flight or self._parked or self._expecting()
                 idle_wait = _MIN_IDLE_WAIT_S if polled else self._deep_idle_s
                 time.sleep(0)
@@ -421,10 +422,9 @@ class NixlEngine:
         for fut, value, error in done:
             if fut is None:
                 settled.append((value, error))
+            elif not fut.done() and error is not None:
+                fut.set_exception(error)
             elif not fut.done():
-                if error is not None:
-                    fut.set_exception(error)
-                else:
-                    fut.set_result(value)
+                fut.set_result(value)
         if settled:
             self.on_settled(settled)
