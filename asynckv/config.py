@@ -55,7 +55,9 @@ class Config:
     nixl_backend: str = "UCX"
     """NIXL backend plugin."""
     idle_poll_s: float = 0.001
-    """Longest sleep of an idle NIXL engine thread between progress rounds."""
+    """Longest sleep of a NIXL engine thread between progress rounds while peers may write to it (a
+    decode with rooms waiting); with no transfer in flight and none expected it sleeps until its next
+    command, 10 ms at most."""
     write_lanes: int = 2
     """Prefill: NIXL engines (each its own agent on its own thread) that writes are spread over. On
     one host the posting thread does the copy, so one lane copies on one core; two lanes moved

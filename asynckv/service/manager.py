@@ -204,7 +204,7 @@ class KVManager:
                 raise InvalidArgument("the SGLang wire completes rooms with NIXL notifications: it needs the NIXL "
                                       "data plane")
             host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-            a = self.kv_args
+            a = self._args
             sglang_register = SglangRegister(
                 ip=host.strip("[]"), port=int(port), agent_name=self.name, agent_metadata=metadata,
                 kv_ptrs=tuple(int(x) for x in a.kv_data_ptrs), aux_ptrs=tuple(int(x) for x in a.aux_data_ptrs),
@@ -249,7 +249,7 @@ class KVManager:
                 self.bootstrap_addr = addr = server.addr
                 if isinstance(server, BootstrapServer):
                     server.add_health_check(f"manager-{self.name[:8]}", lambda: self.healthy)
-        a = self.kv_args
+        a = self._args
         if isinstance(self._http, SglangBootstrapClient):  # SGLang's registration has no lease to renew
             await self._http.register_sglang(addr, sglang_rank(a, self.endpoint, cfg.sglang_kv_cache_dtype),
                                              cfg.register_attempts)

@@ -147,12 +147,13 @@ async def test_closing_the_decode_during_a_prefill_look_up_raises_closed(stall: 
         await bootstrap.wait_closed()
 
 
-async def test_a_closed_manager_pins_no_memory() -> None:
+@pytest.mark.parametrize("wire", ["asynckv", "sglang-0.5.10"])
+async def test_a_closed_manager_pins_no_memory(wire: str) -> None:
     """A running manager keeps its buffers' owners alive (NIXL has them registered) even once the caller dropped
     them; once closed, it lets them go at once, with no cyclic GC pass: its services live in reference cycles,
     and the owners held there kept each closed manager's pool until a collection (4 GiB a round in the
     reference workload, out of memory at its fifth round)."""
-    cfg = Config(**CONTROL)
+    cfg = Config(**(CONTROL if wire == "asynckv" else {}), wire=wire)
     gc.disable()
     try:
         ppool, dpool = KVPool(4, 64, 256, aux_rows=4), KVPool(4, 64, 256, aux_rows=4)
@@ -161,10 +162,10 @@ async def test_a_closed_manager_pins_no_memory() -> None:
                 KVManager(Mode.DECODE, dpool.kv_args(4), config=cfg) as d:
             del ppool, dpool
             receiver = d.receiver(p.bootstrap_addr or "", 1)
-            await receiver.init([5, 6])
+            await receiver.init([5, 6], 0)  # (SGLang's wire always sends an aux row)
             sender = p.sender(1)
             await sender.wait_ready(5)
-            sender.init(2)
+            sender.init(2, 0)
             await sender.send([1, 2])
             assert await receiver.wait(5) == KVPoll.Success
             sender.clear()
