@@ -63,7 +63,7 @@ class NixlEngine:
         """(name, backend) -> agent, called on the engine thread (tests pass a recording fake)."""
         self._idle_poll_s = idle_poll_s
         self._deep_idle_s = max(deep_idle_s, idle_poll_s)
-        self._expecting = expecting or (lambda: True)
+        self._expecting = expecting if expecting is not None else (lambda: True)
         """Whether peers may write to us (decode rooms waiting): poll every ``idle_poll_s``, else ``deep_idle_s``."""
         self.on_settled: Settled = lambda batch: None
         self.on_notified: Notified | None = None
