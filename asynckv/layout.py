@@ -77,8 +77,6 @@ class KVArgs:
     """mamba across TP sizes: rows before the sliced dimension of each entry (default 1)."""
     owners: tuple[Any, ...] = ()
     """Objects that own the memory (kept alive as long as these args are)."""
-    _bounds: tuple[int, int, int] = dataclasses.field(init=False, repr=False, default=(0, 0, 0))
-    """(num_pages, num_aux_rows, num_state_slots), set once: every room's indices are checked against them."""
 
     def __post_init__(self) -> None:
         n = len(self.kv_data_ptrs)
@@ -125,10 +123,6 @@ class KVArgs:
         for i, (length, item) in enumerate(zip(self.state_data_lens, self.state_item_lens, strict=True)):
             if item <= 0 or length < item:
                 raise InvalidArgument(f"state entry {i}: item_len {item} must be > 0 and <= data_len {length}")
-        bounds = [min((n // i for n, i in zip(lens, items, strict=True)), default=0) for lens, items in (
-            (self.kv_data_lens, self.kv_item_lens), (self.aux_data_lens, self.aux_item_lens),
-            (self.state_data_lens, self.state_item_lens))]
-        object.__setattr__(self, "_bounds", tuple(bounds))  # (a frozen dataclass)
 
     @property
     def num_entries(self) -> int:
@@ -137,12 +131,14 @@ class KVArgs:
     @property
     def num_pages(self) -> int:
         """Pages addressable in every entry (the smallest entry bounds the index range)."""
-        return self._bounds[0]
+        return min(length // item for length, item in zip(self.kv_data_lens, self.kv_item_lens, strict=True))
 
     @property
     def num_aux_rows(self) -> int:
         """Rows addressable in every aux buffer (0 when there are no aux buffers)."""
-        return self._bounds[1]
+        if not self.aux_data_ptrs:
+            return 0
+        return min(length // item for length, item in zip(self.aux_data_lens, self.aux_item_lens, strict=True))
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -156,7 +152,9 @@ class KVArgs:
     @property
     def num_state_slots(self) -> int:
         """Slots (mamba) or pages (swa/nsa) addressable in every state entry."""
-        return self._bounds[2]
+        if not self.state_data_ptrs:
+            return 0
+        return min(n // i for n, i in zip(self.state_data_lens, self.state_item_lens, strict=True))
 
     def kv_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ptrs, lens, item_lens) as uint64 arrays for the kernels."""

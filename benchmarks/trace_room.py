@@ -112,7 +112,7 @@ class _Trace:
         self.wrap(WriteBuilder, "build", before=lambda *_: "build")
         self.wrap(NixlDataPlane, "post", before=lambda *_: "post")
         self.wrap(NixlEngine, "_start", before=lambda *_: "engine", after=lambda *_: "copied")
-        self.wrap(NixlEngine, "_on_loop", before=lambda *_: "settled")
+        self.wrap(NixlDataPlane, "_on_loop", before=lambda *_: "settled")
 
     def uninstall(self) -> None:
         while self._undo:

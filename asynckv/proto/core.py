@@ -50,6 +50,8 @@ class Core:
         self.name = name
         self.endpoint = endpoint
         self.kv_args = kv_args
+        self.num_pages, self.num_aux_rows = kv_args.num_pages, kv_args.num_aux_rows
+        """Bounds of every room's indices (``KVArgs`` computes them over every entry on each call)."""
         self.config = config
         self.liveness = Liveness(config.heartbeat_interval_s, config.heartbeat_max_failures)
         self.deadlines = Deadlines()

@@ -164,10 +164,10 @@ class DecodeCore(RegistrationRules):
         if not room.active:
             return  # failed (aborted) before init: nothing to do
         a = self.kv_args
-        pages = validate_pages(page_indices, a.num_pages, "decode page indices")
+        pages = validate_pages(page_indices, self.num_pages, "decode page indices")
         aux = check_int(aux_index, "aux_index", low=-1)
-        if aux != -1 and aux >= a.num_aux_rows:
-            raise InvalidArgument(f"aux_index {aux} outside the registered aux rows [0, {a.num_aux_rows})")
+        if aux != -1 and aux >= self.num_aux_rows:
+            raise InvalidArgument(f"aux_index {aux} outside the registered aux rows [0, {self.num_aux_rows})")
         state = validate_pages([] if state_indices is None else state_indices, a.num_state_slots,
                                "decode state indices")
         prefix = check_int(decode_prefix_len, "decode_prefix_len")

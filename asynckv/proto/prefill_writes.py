@@ -59,7 +59,6 @@ class WriteRules(Core):
         self.page_bytes = int(sum(a.kv_item_lens))
         self.aux_bytes = int(sum(a.aux_item_lens))
         self.state_bytes = int(sum(a.state_item_lens))
-        self.num_pages, self.num_aux_rows = a.num_pages, a.num_aux_rows
         self.posts: dict[int, tuple[SenderRoom, Destination, int]] = {}
         self.inflight_bytes = 0
         self._queue: collections.deque[Queued] = collections.deque()

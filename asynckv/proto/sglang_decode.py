@@ -274,7 +274,7 @@ class SglangDecodeCore(Core):
         if not room.active:
             return
         a = self.kv_args
-        pages = validate_pages(page_indices, a.num_pages, "decode page indices")
+        pages = validate_pages(page_indices, self.num_pages, "decode page indices")
         if not len(pages):
             raise InvalidArgument("page_indices: empty; SGLang's prefill completes a room with its KV "
                                   "notifications, so a room receives at least one page on the SGLang wire")

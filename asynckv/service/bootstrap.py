@@ -309,7 +309,7 @@ class BootstrapClient:
     def keep_registered(self, addr: str, rank: PrefillRank, lease_s: float) -> None:
         """Renew ``rank`` every third of ``lease_s`` until ``unregister`` or ``close`` (a renewal also
         re-creates the entry if the bootstrap server restarted and lost it)."""
-        if lease_s <= 0:
+        if lease_s <= 0 or self._closed:  # (closed while the registration was answered: nothing to renew)
             return
         old = self._renewals.pop((addr, rank.key), None)
         if old is not None:
@@ -323,6 +323,8 @@ class BootstrapClient:
             await asyncio.sleep(lease_s / 3)
             try:
                 status, data = await self._put_rank(addr, rank)
+            except ClosedError:
+                return
             except Exception as exc:  # unreachable (or a bug): keep trying, the lease is what is at stake
                 status, data = 0, repr(exc)
             if status == 200:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Config
-from ..errors import AsyncKVError
+from ..errors import AsyncKVError, ClosedError
 from ..proto import actions as act
 from ..proto.decode import DecodeCore
 from ..proto.receiver import ReceiverRoom
@@ -72,6 +72,8 @@ class DecodeService(ReceiverPump):
         instance = self.core.instance(addr)
         if instance is None:
             instance = await self.http.fetch_instance(addr, self.config.handshake_timeout_s)
+            if self.core.closing:  # (answered while the manager closed)
+                raise ClosedError("KVManager closed during the look-up")
             refused = self.feed("topology_fetched", addr, instance)  # (the core checks it can pair)
             if refused is not None:
                 raise refused

@@ -187,7 +187,8 @@ class KVManager:
         data = self._data = self.data_plane_factory(self.name, cfg, (lambda: False) if prefill else self._expecting,
                                                     cfg.write_lanes if prefill else 1)
         scratch = (int(self._scratch.ctypes.data), SCRATCH_BYTES)
-        metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill, keep=self.kv_args.owners))
+        keep = (*self.kv_args.owners, self._scratch)  # (the scratch area is the source of warm-up writes)
+        metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill, keep=keep))
         auth = Authenticator(cfg.auth_token) if cfg.auth_token else None
         codec = (decode_frames, encode_sglang) if self.sglang else (decode_message, encode_message)
         channel = StreamChannel if cfg.control == "stream" else ControlChannel

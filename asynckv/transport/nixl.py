@@ -180,6 +180,19 @@ class NixlDataPlane(NixlEngine):
         if done:  # last: a settle handler that raises must not hold back the orphans above
             self._on_loop(list(done))  # (they settle as they finished, once)
 
+    def _on_loop(self, done: list[tuple[Any, Any, BaseException | None]]) -> None:
+        """On the loop: resolve the calls' futures, hand the posts' settles to ``on_settled``."""
+        settled = []
+        for fut, value, error in done:
+            if fut is None:
+                settled.append((value, error))
+            elif not fut.done() and error is not None:
+                fut.set_exception(error)
+            elif not fut.done():
+                fut.set_result(value)
+        if settled:
+            self.on_settled(settled)
+
     def _settle_soon(self, batch: list[tuple[int, BaseException | None]]) -> None:
         if self._loop is not None:
             self._loop.call_soon(self.on_settled, batch)

@@ -80,6 +80,7 @@ class NixlEngine:
         """Posts the loop cancelled; read between handles (a dict update is atomic under the GIL)."""
         self._in_flight: list[PostCmd] = []
         self.settled_in_flight: set[int] = set()  # (added before their settle is delivered: take_in_flight)
+        self._notified = False  # (a notification was sent since the last round that settled something)
         self.posts_in_flight = 0
         self.rounds = 0
         self.thread_error: BaseException | None = None
@@ -278,7 +279,7 @@ class NixlEngine:
                 return
             if done:  # progress made: go again at once, but yield the GIL; poll soon only if more than our commands
                 # (they end any wait) may need us (polls at 20, 40 ... us after each post cost 6-15% of 1-page rooms/s)
-                polled = self._in_flight or self._parked or self._expecting()
+                polled, self._notified = self._in_flight or self._parked or self._notified or self._expecting(), False
                 idle_wait = _MIN_IDLE_WAIT_S if polled else self._deep_idle_s
                 time.sleep(0)
             else:  # back off: a little while transfers are in flight (spinning takes the copy's CPU), more when idle
@@ -403,6 +404,7 @@ class NixlEngine:
         elif error is None and post.write.notif:  # every byte landed: now (never for a write that stopped)
             try:
                 self._agent.send_notif(post.peer, post.write.notif)
+                self._notified = True  # (UCX may leave it half sent: the next progress calls send the rest)
             except BaseException as exc:
                 error = map_nixl_error(exc, f"post {post.post_id}: notification")
         self._cancelled.pop(post.post_id, None)
@@ -416,15 +418,3 @@ class NixlEngine:
     def _deliver(self, done: list[Any]) -> None:
         if self._outbox is not None and done:  # (set by start(), on the loop)
             self._outbox.put(done)
-
-    def _on_loop(self, done: list[tuple[Any, Any, BaseException | None]]) -> None:
-        settled = []
-        for fut, value, error in done:
-            if fut is None:
-                settled.append((value, error))
-            elif not fut.done() and error is not None:
-                fut.set_exception(error)
-            elif not fut.done():
-                fut.set_result(value)
-        if settled:
-            self.on_settled(settled)

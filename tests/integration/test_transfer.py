@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,6 +146,34 @@ async def test_closing_the_decode_during_a_prefill_look_up_raises_closed(stall: 
     finally:
         bootstrap.close()
         await bootstrap.wait_closed()
+
+
+async def test_a_look_up_answered_while_the_decode_closes_raises_closed() -> None:
+    """The bootstrap server answers ``prefill_instance``'s look-up just as the decode closes: the look-up
+    raises ClosedError rather than returning the topology of a prefill this closed rank can no longer use
+    (found by review)."""
+    async with make_pair() as pair:
+        svc = pair.decode._svc
+        assert svc is not None
+        real, answered = svc.http.fetch_instance, asyncio.Event()
+
+        async def held(addr: str, timeout_s: float) -> Any:
+            instance = await real(addr, timeout_s)
+            await answered.wait()  # (held until the close has begun)
+            return instance
+
+        svc.http.fetch_instance = held  # type: ignore[method-assign]
+        look_up = asyncio.ensure_future(pair.decode.prefill_instance(pair.addr, connect=True))
+        await asyncio.sleep(0.05)
+        closing = asyncio.ensure_future(pair.decode.close())
+        for _ in range(200):
+            if svc.core.closing:
+                break
+            await asyncio.sleep(0.005)
+        answered.set()
+        with pytest.raises(ClosedError):
+            await asyncio.wait_for(look_up, 5)
+        await asyncio.wait_for(closing, 10)
 
 
 @pytest.mark.parametrize("wire", ["asynckv", "sglang-0.5.10"])

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from asynckv import BootstrapServer, BootstrapTimeout, PeerUnreachable, RemoteProtocolError
+from asynckv import BootstrapServer, BootstrapTimeout, ClosedError, PeerUnreachable, RemoteProtocolError
 from asynckv.proto.bootstrap import PrefillRank
 from asynckv.service.bootstrap import STALLED_ASKS, BootstrapClient, split_addr
 
@@ -109,6 +109,29 @@ async def test_unregister_removes_the_rank(server: BootstrapServer) -> None:
             await client.fetch_instance(server.addr, 0.1)
     finally:
         await client.close()
+
+
+async def test_a_closed_client_refuses_every_request_and_renews_nothing(server: BootstrapServer) -> None:
+    """A closed client raises ClosedError for any request; a renewal asked for after close (a registration
+    answered just as the manager closed) starts nothing, and one under way stops (it retried for ever, found by
+    review)."""
+    client = BootstrapClient(2.0)
+    r = PrefillRank(**{**rank().to_json(), "tp_size": 1})
+    lease = await client.register(server.addr, r)
+    client.keep_registered(server.addr, r, 0.03)
+    renewal = next(iter(client._renewals.values()))
+    await client.close()
+    assert renewal.done()
+    for request in (client.fetch_instance(server.addr, 1.0), client.register(server.addr, r), client.is_up(server.addr),
+                    client.unregister(server.addr, r)):
+        with pytest.raises(ClosedError):
+            await request
+    client.keep_registered(server.addr, r, max(lease, 0.03))
+    assert not client._renewals
+    stalled = BootstrapClient(2.0)  # a renewal task that meets a closed client stops
+    stalled._closed = True
+    task = asyncio.ensure_future(stalled._renew(server.addr, r, 0.03))
+    await asyncio.wait_for(task, 1.0)
 
 
 async def test_client_maps_errors() -> None:

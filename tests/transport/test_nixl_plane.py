@@ -9,6 +9,7 @@ in-flight transfer safely; asynckv parks such handles until they complete).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -341,17 +342,20 @@ class RecordingQueue:
         return item
 
 
-@pytest.mark.parametrize(("expects", "inline", "first_wait"), [
-    (False, True, "deep idle"),  # a prefill's engine after a post that copied inside transfer() (CMA)
-    (True, True, "short"),  # a decode's, rooms waiting: notifications may come
-    (False, False, "short"),  # a post left in flight (UCX over TCP) after an idle wait
+@pytest.mark.parametrize(("expects", "inline", "notif", "first_wait"), [
+    (False, True, b"", "deep idle"),  # a prefill's engine after a post that copied inside transfer() (CMA)
+    (True, True, b"", "short"),  # a decode's, rooms waiting: notifications may come
+    (False, False, b"", "short"),  # a post left in flight (UCX over TCP) after an idle wait
+    (False, True, b"room 7 done", "short"),  # SGLang's wire: the notification sent may need progress to leave
 ])
 async def test_the_engine_waits_short_after_a_post_only_when_something_but_its_commands_may_need_it(
-        expects: bool, inline: bool, first_wait: str) -> None:
-    """The first wait for a command after the engine took a post. With nothing in flight or parked and no
-    notification expected, only a command (which ends any wait) can need the engine: polling at 20, 40, 80 ...
-    us after every post took 6-15% off a prefill's rate of 1-page rooms. A handle in flight is polled at once,
-    even after an idle wait (it waited a whole idle wait, 10 ms, before)."""
+        expects: bool, inline: bool, notif: bytes, first_wait: str) -> None:
+    """The first wait for a command after the engine took a post. With nothing in flight or parked, no
+    notification expected and none just sent, only a command (which ends any wait) can need the engine: polling
+    at 20, 40, 80 ... us after every post took 6-15% off a prefill's rate of 1-page rooms. A handle in flight is
+    polled at once, even after an idle wait (it waited a whole idle wait, 10 ms, before); so is a notification
+    just sent (UCX may leave it half sent, for the next progress calls: it left 10 ms late when the engine waited
+    as when idle, found by review)."""
     agent = FakeAgent()
     agent.finish = inline  # (inline: the copy happens inside transfer(), as CMA does on one host)
     plane = NixlDataPlane("me", agent_factory=lambda n, b: agent, expecting=lambda: expects, idle_poll_s=0.4,
@@ -362,7 +366,7 @@ async def test_the_engine_waits_short_after_a_post_only_when_something_but_its_c
     await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
     await plane.connect_peer("peer", stub_agent_metadata("peer"), rows(4), "DRAM")
     plane.set_lease("peer", time.monotonic() + 60)
-    plane.post(7, "peer", prepped(), 30.0)
+    plane.post(7, "peer", dataclasses.replace(prepped(), notif=notif), 30.0)
     await until(lambda: any(what == "got" and isinstance(item, PostCmd) for what, item in commands.events))
     taken = next(i for i, (what, item) in enumerate(commands.events) if what == "got" and isinstance(item, PostCmd))
     await until(lambda: any(what == "wait" for what, _ in commands.events[taken:]))
