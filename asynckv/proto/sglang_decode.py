@@ -273,14 +273,13 @@ class SglangDecodeCore(Core):
             raise LocalProtocolError(f"room {room.room}: init() called twice")
         if not room.active:
             return
-        a = self.kv_args
         pages = validate_pages(page_indices, self.num_pages, "decode page indices")
         if not len(pages):
             raise InvalidArgument("page_indices: empty; SGLang's prefill completes a room with its KV "
                                   "notifications, so a room receives at least one page on the SGLang wire")
         aux = check_int(aux_index, "aux_index")
-        if aux >= a.num_aux_rows:
-            raise InvalidArgument(f"aux_index {aux} outside the registered aux rows [0, {a.num_aux_rows}) "
+        if aux >= self.num_aux_rows:
+            raise InvalidArgument(f"aux_index {aux} outside the registered aux rows [0, {self.num_aux_rows}) "
                                   f"(SGLang's prefill always writes the metadata row: -1 is not allowed)")
         if state_indices is not None and len(state_indices):
             raise InvalidArgument(STATE_REFUSED)

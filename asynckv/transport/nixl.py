@@ -186,10 +186,11 @@ class NixlDataPlane(NixlEngine):
         for fut, value, error in done:
             if fut is None:
                 settled.append((value, error))
-            elif not fut.done() and error is not None:
-                fut.set_exception(error)
             elif not fut.done():
-                fut.set_result(value)
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(value)
         if settled:
             self.on_settled(settled)
 

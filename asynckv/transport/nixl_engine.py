@@ -15,13 +15,14 @@ round. A post is a series of handles, one in flight at a time; its write lease a
 before each starts, so a cancelled or lease-lapsed post lands at most the handle already in flight (posting every
 handle at once let a slow TCP post land bytes for seconds past its lease in the simulator).
 
-NIXL cannot cancel a transfer in flight: releasing a ``PROC`` handle lets UCX finish it into freed memory, and tearing
-an agent down under requests queued to a stopped peer aborted the process (docs/failures.md). So a post that is
-cancelled, loses its lease or its peer *stops*: it starts no further handle and settles (with the error) once the
-handle already in flight completed or failed. Only a post unfinished at its deadline, or at close, settles with a
-handle in flight: the handle is *parked*, polled each round and released once it completes or fails. Forgetting a peer
-and closing run as one sequence on this thread; if handles are still parked at close (a peer stopped for good), the
-agent and its registrations are kept until the process exits, whatever step of the close raised.
+NIXL cannot cancel a transfer in flight: releasing a ``PROC`` handle lets UCX finish it into freed memory, and
+tearing an agent down under requests queued to a stopped peer aborted the process (docs/failures.md). So a post
+that is cancelled, loses its lease or its peer *stops*: it starts no further handle and settles (with the error)
+once the handle already in flight completed or failed. Only a post unfinished at its deadline, or at close,
+settles with a handle in flight: the handle is *parked*, polled each round and released once it completes or
+fails. Forgetting a peer and closing run as one sequence on this thread; if handles are still parked at close (a
+peer stopped for good), the agent and its registrations are kept until the process exits, whatever step of the
+close raised.
 """
 
 from __future__ import annotations
@@ -279,7 +280,8 @@ class NixlEngine:
                 return
             if done:  # progress made: go again at once, but yield the GIL; poll soon only if more than our commands
                 # (they end any wait) may need us (polls at 20, 40 ... us after each post cost 6-15% of 1-page rooms/s)
-                polled, self._notified = self._in_flight or self._parked or self._notified or self._expecting(), False
+                polled = self._in_flight or self._parked or self._notified or self._expecting()
+                self._notified = False
                 idle_wait = _MIN_IDLE_WAIT_S if polled else self._deep_idle_s
                 time.sleep(0)
             else:  # back off: a little while transfers are in flight (spinning takes the copy's CPU), more when idle
