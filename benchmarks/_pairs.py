@@ -109,36 +109,67 @@ class RawNixl:
         self.a.release_xfer_handle(h)
         return elapsed
 
-    def _post(self, writer: int, src: np.ndarray, dst: np.ndarray, progress_target: bool = False) -> None:
-        """One WRITE without notification, from initiator ``writer`` (its thread only; the target is
-        progressed only with ``progress_target``, from one thread: connection set-up needs it)."""
+    def _drain(self, writers: bool = False) -> int:
+        """Progress the target (from one thread only), and with ``writers`` every initiator too (only
+        while no other thread posts: a notification UCX could not send at once leaves with a later
+        progress call of its writer); the notifications the target received."""
+        for agent, _, _ in self.writers if writers else ():
+            agent.get_new_notifs()
+        return sum(len(msgs) for msgs in self.b.get_new_notifs().values())
+
+    def _await_notifs(self, seen: int, expected: int) -> None:
+        deadline = time.monotonic() + 30
+        while seen < expected:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"raw NIXL: {seen} of {expected} notifications arrived in 30 s")
+            seen += self._drain(writers=True)
+
+    def _post(self, writer: int, src: np.ndarray, dst: np.ndarray, progress_target: bool = False,
+              notif: bytes = b"") -> int:
+        """One WRITE (with ``notif`` as its notification, if any) from initiator ``writer`` (its
+        thread only; the target is progressed only with ``progress_target``, from one thread:
+        connection set-up needs it). Returns the notifications the target received meanwhile."""
         agent, local, remote = self.writers[writer]
-        h = agent.make_prepped_xfer("WRITE", local, self._idx(src), remote, self._idx(dst), b"")
+        h = agent.make_prepped_xfer("WRITE", local, self._idx(src), remote, self._idx(dst), notif)
         state = agent.transfer(h)
+        seen = 0
         while state != "DONE":
             if progress_target:
-                self.b.get_new_notifs()
+                seen += self._drain()
             state = agent.check_xfer_state(h)
         agent.release_xfer_handle(h)
+        return seen
 
-    def write_parallel(self, sets: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    def write_serial(self, sets: list[tuple[np.ndarray, np.ndarray]], notify: bool = False) -> float:
+        """Seconds to post ``sets`` back to back from the first initiator, this thread progressing
+        the target too, until (with ``notify``) the target has seen every write's notification."""
+        t0 = time.perf_counter()
+        seen = sum(self._post(0, s, d, progress_target=True, notif=b"n" if notify else b"") for s, d in sets)
+        self._await_notifs(seen, len(sets) if notify else 0)
+        return time.perf_counter() - t0
+
+    def write_parallel(self, sets: list[tuple[np.ndarray, np.ndarray]], notify: bool = False) -> float:
         """Seconds to post ``sets`` (src, dst) spread over the initiators, one thread each, while
-        this thread progresses the target (some transfers stalled without it) every 50 us. (It
-        used to poll without pause: that thread then took a core and the GIL from the posting
-        threads, and 4 x 16 MiB scattered ran 2.2-3.1 GB/s against 3.6-4.2 with the pause.)"""
+        this thread progresses the target (some transfers stalled without it) every 50 us, until
+        (with ``notify``) the target has seen every write's notification. (It used to poll without
+        pause: that thread then took a core and the GIL from the posting threads, and 4 x 16 MiB
+        scattered ran 2.2-3.1 GB/s against 3.6-4.2 with the pause.)"""
         import threading
 
         n = len(self.writers)
-        threads = [threading.Thread(target=lambda i=i: [self._post(i, s, d) for s, d in sets[i::n]])
+        notif = b"n" if notify else b""
+        threads = [threading.Thread(target=lambda i=i: [self._post(i, s, d, notif=notif) for s, d in sets[i::n]])
                    for i in range(n)]
         t0 = time.perf_counter()
         for t in threads:
             t.start()
+        seen = 0
         while any(t.is_alive() for t in threads):  # the target progresses here, its one thread
-            self.b.get_new_notifs()
+            seen += self._drain()
             time.sleep(50e-6)
         for t in threads:
             t.join()
+        self._await_notifs(seen, len(sets) if notify else 0)
         return time.perf_counter() - t0
 
     def close(self) -> None:

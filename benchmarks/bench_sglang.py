@@ -6,8 +6,10 @@ Both sides move the same pages between two processes on this machine (DRAM, UCX 
 reference's own document. SGLang runs unmodified from its venv (``bash scripts/sglang-venv.sh``),
 driven the way its schedulers drive it: a loop polling every live sender and receiver
 (``tests/interop/sglang_peer.py``, roles ``bench-prefill`` and ``bench-decode``). asynckv runs the
-same requests with the same slots (``bench_seed_workload.run_case``). Rounds interleave the two
-(the side that goes first alternates); medians and the min-max spread are reported.
+same requests with the same slots (``bench_seed_workload.run_case``). The same rounds also measure
+the machine's limit for the same pages (``_limits.limit_case``: raw NIXL in its fastest
+configuration, ``np.copyto`` on one and two threads). Rounds interleave the three (the side that goes
+first rotates); medians and the min-max spread are reported.
 
 Decode latency: SGLang from ``send_metadata`` to ``poll()`` == Success, asynckv from
 ``receiver.init()`` to ``wait()`` resolving. CPU: both connectors' processes while serving:
@@ -35,6 +37,7 @@ from asynckv.demo import DemoSpec
 
 from . import bench_seed_workload
 from ._common import medians, write_result
+from ._limits import limit_case
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VENV = pathlib.Path(os.environ.get("ASYNCKV_SGLANG_VENV", ROOT / ".cache" / "sglang-0.5.10"))
@@ -110,6 +113,10 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
+LIMIT_KEYS = ("raw_gbps", "raw_one_agent_gbps", "raw_two_agents_gbps", "raw_cpu_s_per_gb", "copyto_gbps",
+              "copyto_two_threads_gbps", "copyto_cpu_s_per_gb")
+
+
 def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
@@ -125,21 +132,31 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     rows = []
     for name, requests, pages, inflight, scattered in CASES[:args.cases]:
         requests = args.requests or requests
-        runs: dict[str, list[dict[str, float]]] = {"sglang": [], "asynckv": []}
+        runs: dict[str, list[dict[str, float]]] = {"sglang": [], "asynckv": [], "limit": []}
+        sides = list(runs)
         for r in range(args.rounds):
-            order = ["sglang", "asynckv"] if r % 2 == 0 else ["asynckv", "sglang"]
-            for side in order:
+            for side in sides[r % 3:] + sides[:r % 3]:  # who goes first rotates
+                if side == "limit":
+                    run = limit_case(requests, pages, inflight, scattered, args.scale)
+                    print(f"  {name:28s} round {r + 1} limit   : raw NIXL {run['raw_one_agent_gbps']:5.2f} GB/s "
+                          f"one agent, {run['raw_two_agents_gbps']:5.2f} two, {run['raw_cpu_s_per_gb']:.2f} CPU s/GB; "
+                          f"np.copyto {run['copyto_gbps']:5.2f} one thread, {run['copyto_two_threads_gbps']:5.2f} two",
+                          flush=True)
+                    runs[side].append(run)
+                    continue
                 run = sglang_case(python, requests, pages, inflight, scattered, args.scale) if side == "sglang" \
                     else bench_seed_workload.measure_case(requests, pages, inflight, scattered, args.scale)
                 runs[side].append(run)
                 print(f"  {name:28s} round {r + 1} {side:8s}: {run['gbps']:5.2f} GB/s, {run['rps']:7.1f} req/s, "
                       f"p50 {run['p50_ms']:7.1f} ms, CPU s decode {run['cpu_decode_s']:.2f} prefill "
                       f"{run['cpu_prefill_s']:.2f}", flush=True)
-        s, a = _summary(runs["sglang"]), _summary(runs["asynckv"])
+        s, a, lim = _summary(runs["sglang"]), _summary(runs["asynckv"]), medians(runs["limit"], LIMIT_KEYS)
         rows.append({"workload": name, "requests": requests, "pages": pages, "inflight": inflight,
                      "scattered": scattered, "sglang": s, "asynckv": a, "gbps_ratio": a["gbps"] / s["gbps"],
                      "rps_ratio": a["rps"] / s["rps"], "p50_fraction": a["p50_ms"] / s["p50_ms"],
-                     "cpu_per_gb_fraction": a["cpu_s_per_gb"] / s["cpu_s_per_gb"], "runs": runs})
+                     "cpu_per_gb_fraction": a["cpu_s_per_gb"] / s["cpu_s_per_gb"], "limit": lim,
+                     "of_limit": a["gbps"] / lim["raw_gbps"], "twice_sglang_of_limit": 2 * s["gbps"] / lim["raw_gbps"],
+                     "cpu_floor_fraction": lim["raw_cpu_s_per_gb"] / s["cpu_s_per_gb"], "runs": runs})
     result = {"question": question, "rounds": args.rounds, "scale": args.scale, "rows": rows}
     write_result("sglang_side_by_side", result, out_dir)
     return result

@@ -12,6 +12,11 @@ def _load(out: pathlib.Path, name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _fifth(floor_fraction: float) -> str:
+    """A fifth of SGLang's CPU per GB, as a multiple of raw NIXL's (the floor for a CMA-copied byte)."""
+    return f"{1 / (5 * floor_fraction):.2f}x" if floor_fraction > 0 else "n/a (too short to time)"
+
+
 def render(out: pathlib.Path, charts: bool = False) -> str:
     lines = ["| question | asynckv | baseline (same run) | ratio | target |", "|---|---|---|---|---|"]
     tp = _load(out, "throughput")
@@ -91,6 +96,15 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                          f"{s['gbps']:.2f} GB/s, {s['rps']:.0f} req/s, p50 {s['p50_ms']:.0f} ms, "
                          f"{s['cpu_s_per_gb']:.2f} CPU s/GB | {r['gbps_ratio']:.2f}x GB/s, p50 "
                          f"x{r['p50_fraction']:.2f}, CPU/GB x{r['cpu_per_gb_fraction']:.2f} | >= 2x GB/s |")
+            if "limit" in r:
+                lim = r["limit"]
+                lines.append(f"| reference workload: {r['workload']}, against this machine's limit | "
+                             f"{a['gbps']:.2f} GB/s | raw NIXL, the same pages: {lim['raw_gbps']:.2f} GB/s "
+                             f"(one agent {lim['raw_one_agent_gbps']:.2f}, two on two threads "
+                             f"{lim['raw_two_agents_gbps']:.2f}), {lim['raw_cpu_s_per_gb']:.2f} CPU s/GB; np.copyto "
+                             f"{lim['copyto_gbps']:.2f} GB/s one thread, {lim['copyto_two_threads_gbps']:.2f} two | "
+                             f"{r['of_limit']:.2f}x raw; 2x SGLang would be {r['twice_sglang_of_limit']:.2f}x raw, "
+                             f"1/5 of SGLang's CPU/GB {_fifth(r['cpu_floor_fraction'])} raw's | >= 0.8x |")
     sp = _load(out, "sglang_poll")
     if sp and not sp.get("skipped"):
         a, s = sp["asynckv"], sp["sglang"]
@@ -210,16 +224,21 @@ def _charts(out: pathlib.Path) -> None:
     if sg and not sg.get("skipped"):
         rows = sg["rows"]
         x = range(len(rows))
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for offset, side, label in ((-0.2, "asynckv", "asynckv"), (0.2, "sglang", "SGLang 0.5.10's NIXL connector")):
-            medians = [r[side]["gbps"] for r in rows]
-            spread = [[m - r[side]["gbps_spread"][0] for m, r in zip(medians, rows, strict=True)],
-                      [r[side]["gbps_spread"][1] - m for m, r in zip(medians, rows, strict=True)]]
-            ax.bar([i + offset for i in x], medians, 0.4, yerr=spread, capsize=3, label=label)
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        bars = [("asynckv", "gbps", "asynckv"), ("sglang", "gbps", "SGLang 0.5.10's NIXL connector")]
+        if all("limit" in r for r in rows):
+            bars.append(("limit", "raw_gbps", "raw NIXL, fastest configuration (the machine's limit)"))
+        width = 0.8 / len(bars)
+        for n, (side, key, label) in enumerate(bars):
+            medians = [r[side][key] for r in rows]
+            spread = [[m - r[side][f"{key}_spread"][0] for m, r in zip(medians, rows, strict=True)],
+                      [r[side][f"{key}_spread"][1] - m for m, r in zip(medians, rows, strict=True)]]
+            ax.bar([i + (n - (len(bars) - 1) / 2) * width for i in x], medians, width, yerr=spread, capsize=3,
+                   label=label)
         ax.set_xticks(list(x), [r["workload"].replace(", ", "\n") for r in rows], fontsize=8)
         ax.set_ylabel("GB/s (median, min-max)")
         ax.set_title("The reference workload, same run (higher is better)")
-        ax.legend()
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(bars))
         fig.tight_layout()
         fig.savefig(out / "sglang_side_by_side.png", dpi=100)
         plt.close(fig)
