@@ -113,8 +113,8 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
-LIMIT_KEYS = ("raw_gbps", "raw_one_agent_gbps", "raw_two_agents_gbps", "raw_cpu_s_per_gb", "copyto_gbps",
-              "copyto_two_threads_gbps", "copyto_cpu_s_per_gb")
+LIMIT_KEYS = ("raw_gbps", "raw_one_agent_gbps", "raw_two_agents_gbps", "raw_cpu_s_per_gb", "raw_one_agent_cpu_s_per_gb",
+              "copyto_gbps", "copyto_two_threads_gbps", "copyto_cpu_s_per_gb")
 
 
 def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> dict[str, object]:
