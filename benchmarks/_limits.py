@@ -1,17 +1,19 @@
 """The machine's limit for one case of the reference workload, measured in the same rounds as the
 two connectors: the same pages (64 buffers of 32 KiB items, the prefill's pages in contiguous slots,
-the decode's contiguous or scattered exactly as asynckv's side draws them), moved
+the decode's contiguous or scattered, drawn as asynckv's side draws them: the same generator and
+seed, alike in distribution rather than the very same sets), moved
 
 - by raw NIXL in its fastest configuration on this kind of host: one agent posting back to back,
   and two agents posting from two threads (on one host the posting thread does the CMA copy, and
   NIXL's own thread-pool engine gave no gain here: every agent call would be serialised); prepared
   dlists, no control message, one notification per request (a request is done when the target has
   seen it: the least a connector must tell the decode), both agents in one process;
-- by ``np.copyto`` page by page, on one thread and on two (the memory ceiling of 2 cores).
+- by ``np.copyto`` (page by page when scattered), on one thread and on two (the memory ceiling of 2 cores).
 
 CPU seconds per GB are this process's CPU time (`time.process_time`) over the timed region (both NIXL sides
-live here, as asynckv's and SGLang's figures count both their processes). Raw NIXL's is the floor for
-any connector whose bytes CMA copies: the copy is charged to the writer's CPU.
+live here, as asynckv's and SGLang's figures count both their processes; the two-thread figure
+includes the target's polling thread). On one host the copy is charged to the writer's CPU, so raw
+NIXL's one agent and ``np.copyto`` show what copying these bytes costs at the least.
 """
 
 from __future__ import annotations

@@ -134,6 +134,8 @@ class RawNixl:
         state = agent.transfer(h)
         seen = 0
         while state != "DONE":
+            if state == "ERR":
+                raise RuntimeError(f"raw NIXL: a WRITE from initiator {writer} failed")
             if progress_target:
                 seen += self._drain()
             state = agent.check_xfer_state(h)

@@ -13,7 +13,7 @@ def _load(out: pathlib.Path, name: str) -> dict[str, Any] | None:
 
 
 def _fifth(floor_fraction: float) -> str:
-    """A fifth of SGLang's CPU per GB, as a multiple of raw NIXL's (the floor for a CMA-copied byte)."""
+    """A fifth of SGLang's CPU per GB, as a multiple of raw NIXL's fastest configuration's."""
     return f"{1 / (5 * floor_fraction):.2f}x" if floor_fraction > 0 else "n/a (too short to time)"
 
 
