@@ -28,6 +28,7 @@ from asynckv.demo import DemoSpec
 from asynckv.testing import KVPool
 
 from ._pairs import RawNixl
+from .bench_seed_workload import decode_pages
 from .bench_throughput import copy_pages
 
 
@@ -35,13 +36,8 @@ def plan(requests: int, pages: int, inflight: int, scattered: bool) -> list[tupl
     """(prefill pages, decode pages) per request: slot ``j % inflight`` of each pool, the decode's
     drawn as ``bench_seed_workload.run_case`` draws them (the same generator and seed)."""
     rng = np.random.default_rng(1)
-    pool_pages = inflight * pages
-    out = []
-    for j in range(requests):
-        k = j % inflight
-        src = np.arange(pages) + k * pages
-        out.append((src, rng.permutation(pool_pages)[:pages] if scattered else src.copy()))
-    return out
+    return [(np.arange(pages) + j % inflight * pages, decode_pages(rng, inflight, pages, j % inflight, scattered))
+            for j in range(requests)]
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:

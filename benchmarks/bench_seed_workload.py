@@ -26,6 +26,13 @@ CASES = [("64 x 32 pages, contiguous", 64, 32, 8, False), ("64 x 32 pages, scatt
          ("400 x 1 page, 32 in flight", 400, 1, 32, False), ("16 x 256 pages", 16, 256, 8, False)]
 
 
+def decode_pages(rng: np.random.Generator, inflight: int, pages: int, slot: int, scattered: bool) -> np.ndarray:
+    """The decode pages of a request in ``slot``: the slot's own run of the pool, or ``pages`` drawn
+    from the whole pool (``inflight * pages``) when scattered. Every side of the reference workload
+    draws them here (asynckv's, SGLang's and the machine's limit)."""
+    return rng.permutation(inflight * pages)[:pages] if scattered else np.arange(pages) + slot * pages
+
+
 async def run_case(requests: int, pages: int, inflight: int, scattered: bool, scale: int) -> dict[str, float]:
     spec = DemoSpec(requests=requests + WARMUP, min_pages=pages, max_pages=pages, chunk_pages=pages,
                     inflight=inflight, fill=False, seed=requests * 1000 + pages, layers=32 // scale, warmup=WARMUP)
@@ -33,8 +40,7 @@ async def run_case(requests: int, pages: int, inflight: int, scattered: bool, sc
     async with decode_against_prefill_process(spec, printed) as (d, spec, pool):
         rng = np.random.default_rng(1)
         started: list[os.times_result] = []  # (when the warm-up is done)
-        latencies, elapsed = await receive_plan(d, spec, lambda k: rng.permutation(spec.pool_pages)[:pages]
-                                                if scattered else np.arange(pages) + k * pages,
+        latencies, elapsed = await receive_plan(d, spec, lambda k: decode_pages(rng, inflight, pages, k, scattered),
                                                 started=lambda: started.append(os.times()))
         c0, c1 = started[0], os.times()
     # Both sides' CPU while serving, as the SGLang peer counts it: prefill's from its first

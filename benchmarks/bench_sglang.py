@@ -68,9 +68,7 @@ def sglang_case(python: pathlib.Path, requests: int, pages: int, inflight: int, 
     spec = DemoSpec(requests=requests, min_pages=pages, max_pages=pages, chunk_pages=pages, inflight=inflight,
                     fill=False, layers=32 // scale)
     rng = np.random.default_rng(1)
-    pool_pages = inflight * pages
-    dst = [(rng.permutation(pool_pages)[:pages] if scattered else np.arange(pages) + k * pages).tolist()
-           for k in range(inflight)]
+    dst = [bench_seed_workload.decode_pages(rng, inflight, pages, k, scattered).tolist() for k in range(inflight)]
     job = {"requests": requests, "pages": pages, "inflight": inflight, "buffers": spec.entries,
            "item": spec.item_bytes, "page_size": spec.page_size}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -156,7 +154,8 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
                      "rps_ratio": a["rps"] / s["rps"], "p50_fraction": a["p50_ms"] / s["p50_ms"],
                      "cpu_per_gb_fraction": a["cpu_s_per_gb"] / s["cpu_s_per_gb"], "limit": lim,
                      "of_limit": a["gbps"] / lim["raw_gbps"], "twice_sglang_of_limit": 2 * s["gbps"] / lim["raw_gbps"],
-                     "cpu_floor_fraction": lim["raw_cpu_s_per_gb"] / s["cpu_s_per_gb"], "runs": runs})
+                     "fifth_sglang_cpu_of_copyto": s["cpu_s_per_gb"] / 5 / lim["copyto_cpu_s_per_gb"]
+                     if lim["copyto_cpu_s_per_gb"] > 0 else None, "runs": runs})
     result = {"question": question, "rounds": args.rounds, "scale": args.scale, "rows": rows}
     write_result("sglang_side_by_side", result, out_dir)
     return result
