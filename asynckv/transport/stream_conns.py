@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import struct
 from typing import TYPE_CHECKING, cast
 
@@ -37,6 +38,9 @@ FOREIGN_MAX_BYTES = 4 * 2**20
 COALESCE_BYTES = 64 * 1024
 """A message up to this size goes out with its length in one write (one segment); a larger one in
 two writes (no copy of a large body)."""
+_HEARD = itertools.count()
+"""Orders the events that make a connection heard from (accepted, bytes read): a clock would tie
+(uvloop's reads a millisecond that is the same for a whole loop round), an order cannot."""
 
 
 class Inbound(asyncio.Protocol):
@@ -52,7 +56,7 @@ class Inbound(asyncio.Protocol):
         read (to tell a registration why not), then the connection is cut."""
         self._turn: asyncio.Handle | None = None
         self._loop = asyncio.get_running_loop()
-        self.last_rx = self._loop.time()
+        self.last_heard = next(_HEARD)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (create_server's TCP transports are)
@@ -61,7 +65,7 @@ class Inbound(asyncio.Protocol):
             transport.abort()
             return
         if len(ch._inbound) >= MAX_INBOUND:  # the one heard from longest ago goes, not the newcomer
-            victim = min(ch._inbound, key=lambda conn: conn.last_rx)
+            victim = min(ch._inbound, key=lambda conn: conn.last_heard)
             ch.dropped["connections_evicted"] += 1
             ch._rl.warning("inbound", "control: %d connections are open: cut the one from %s, silent longest",
                            MAX_INBOUND, victim._origin or "a peer")
@@ -81,7 +85,7 @@ class Inbound(asyncio.Protocol):
         if not ch._reading:  # (stopped: what a transport still delivers is not read)
             self.pause()
             return
-        self.last_rx = self._loop.time()
+        self.last_heard = next(_HEARD)
         self._buf += data
         ch._buffered += len(data)
         if ch._buffered > INBOUND_BYTES:  # the connection holding most goes, not the one that came last

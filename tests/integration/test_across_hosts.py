@@ -30,6 +30,7 @@ from .test_partition import HOST_IP, NS_IP
 pytestmark = pytest.mark.integration
 
 TOKEN = "across-hosts-test-secret"
+STARTED = (KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success)
 SPEC = DemoSpec(layers=2, kv_heads=2, head_dim=16, page_size=4, min_pages=4, max_pages=12, chunk_pages=4, seed=9,
                 requests=4, inflight=4)
 
@@ -61,7 +62,8 @@ async def test_with_a_token_rooms_move_byte_exact_between_namespaces(netns: tupl
                 for i, r in enumerate(spec.plan()):
                     receiver = d.receiver(server.addr, r.room)
                     pages = np.arange(r.num_pages) + spec.max_pages * i
-                    assert await receiver.init(pages, i) == KVPoll.WaitingForInput, receiver.failure_reason
+                    # (the prefill sends as soon as it hears: a descheduled decode may find it done)
+                    assert await receiver.init(pages, i) in STARTED, receiver.failure_reason
                     receivers.append((receiver, r, pages))
                 results = await asyncio.gather(*(rv.wait(60) for rv, _, _ in receivers))
                 assert results == [KVPoll.Success] * len(receivers), [rv.failure_reason for rv, _, _ in receivers]

@@ -78,7 +78,8 @@ async def test_asynckv_decode_receives_from_a_stock_sglang_prefill(sglang_python
         boot = (await line(proc))["bootstrap"]
         async with KVManager(Mode.DECODE, dst_pool.kv_args(4, is_mla=mla), config=config) as decode:
             receiver = decode.receiver(boot, room)
-            assert await receiver.init(DST, DST_AUX) == KVPoll.WaitingForInput, receiver.failure_reason
+            # (the stock prefill sends as soon as it hears: a descheduled decode may find it done)
+            assert await receiver.init(DST, DST_AUX) != KVPoll.Failed, receiver.failure_reason
             assert await receiver.wait(60) == KVPoll.Success, receiver.failure_reason
             assert (await line(proc))["done"]
             assert decode.stats.get("dropped_unknown_room", 0) == 0

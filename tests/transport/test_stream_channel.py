@@ -65,6 +65,12 @@ def ping(seq: int) -> Ping:
     return Ping("p" * 8, "stream://127.0.0.1:1", 1, seq)
 
 
+def frame(msg: Message) -> bytes:
+    """``msg`` as the stream channel puts it on the wire: its length, then its body."""
+    body = pack(encode(msg))
+    return HEADER.pack(len(body)) + body
+
+
 @contextlib.asynccontextmanager
 async def channel(got: list[Any] | None = None, **kwargs: Any) -> AsyncIterator[StreamChannel]:
     chan = StreamChannel("127.0.0.1", (got if got is not None else []).append, **kwargs)
@@ -496,6 +502,30 @@ async def test_a_connection_beyond_the_limit_cuts_the_one_silent_longest(monkeyp
         assert rx.dropped["connections_evicted"] == 1 and len(rx._inbound) == 2
         idle.close()
         newcomer.close()
+
+
+async def test_the_silent_longest_is_cut_even_when_everything_happened_in_one_loop_round(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scripted in one loop round, so a clock reads the same for all three (uvloop's millisecond
+    did in CI, and the live peer was cut): the order of events still names the idle one."""
+    monkeypatch.setattr(stream_conns, "MAX_INBOUND", 2)
+    got: list[Message] = []
+    async with channel(got) as rx:
+        idle, live, newcomer = (Inbound(rx) for _ in range(3))
+        idle_t, live_t, newcomer_t = (FakeTransport("127.0.0.1") for _ in range(3))
+        idle.connection_made(idle_t)
+        live.connection_made(live_t)  # (accepted after the idle one, then heard from)
+        live.data_received(frame(ping(1)))
+        newcomer.connection_made(newcomer_t)
+        assert idle_t.aborted and not live_t.aborted and not newcomer_t.aborted
+        assert rx.dropped["connections_evicted"] == 1
+        # the other way round: accepted first but heard from since, the live one stays
+        newcomer.data_received(frame(ping(2)))
+        live.data_received(frame(ping(3)))
+        last_t = FakeTransport("127.0.0.1")
+        Inbound(rx).connection_made(last_t)
+        assert newcomer_t.aborted and not live_t.aborted and not last_t.aborted
+        assert rx.dropped["connections_evicted"] == 2
 
 
 @on_both_loops
