@@ -524,7 +524,7 @@ async def test_the_silent_longest_is_cut_even_when_everything_happened_in_one_lo
         newcomer.connection_made(newcomer_t)
         assert idle_t.aborted and not live_t.aborted and not newcomer_t.aborted
         assert rx.dropped["connections_evicted"] == 1
-        # the other way round: accepted first but heard from since, the live one stays
+        # the live one, accepted before the newcomer but heard from after it, stays; the newcomer goes
         newcomer.data_received(frame(ping(2)))
         live.data_received(frame(ping(3)))
         last_t = FakeTransport("127.0.0.1")
