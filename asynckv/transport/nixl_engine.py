@@ -11,7 +11,10 @@ machine (2-core VM, UCX over loopback, DRAM):
   more seen): every post has a deadline.
 
 The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop drains a few per
-round. A post is a series of handles, one in flight at a time; its write lease and the cancel set are checked
+round. A post that settled is handed over before the thread takes up the next command of its round: a round may
+hold several copies (posts queue while one copies), and 1-page rooms, 32 in flight between two processes, waited
+6.7 ms (p50) from their copy's end to the loop's settle when a round's settles went together, 2.7 ms handed over
+one by one. A post is a series of handles, one in flight at a time; its write lease and the cancel set are checked
 before each starts, so a cancelled or lease-lapsed post lands at most the handle already in flight (posting every
 handle at once let a slow TCP post land bytes for seconds past its lease in the simulator).
 
@@ -247,7 +250,8 @@ class NixlEngine:
                 except queue.Empty:
                     break
             stop = False
-            for cmd in commands:
+            while commands:
+                cmd = commands[0]
                 if cmd is None:
                     stop = True
                 elif isinstance(cmd, PostCmd):
@@ -261,7 +265,10 @@ class NixlEngine:
                         done.append((cmd.fut, cmd.fn(*cmd.args), None))
                     except BaseException as exc:
                         done.append((cmd.fut, None, map_nixl_error(exc, getattr(cmd.fn, "__name__", "call"))))
-            commands.clear()  # (a connect's destination rows must not live on until the next command)
+                del commands[0]  # (first: a death from here on finds its result in done, not an orphan)
+                if done and commands and isinstance(cmd, PostCmd):  # a copy done, more to come: hand it over now
+                    self._deliver(done)
+                    done.clear()
             cmd = None
             if self._in_flight:
                 self._check_in_flight(time.monotonic(), done)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -413,6 +414,48 @@ async def test_a_command_that_woke_the_engine_just_before_its_thread_died_still_
             await asyncio.wait_for(call, 2.0)
 
 
+class RecordingOutbox:
+    """The engine's outbox, recording (on the engine thread) the post ids of each hand-over."""
+
+    def __init__(self, inner: Any, events: list[tuple[str, Any]]) -> None:
+        self.inner, self.events = inner, events
+
+    def put(self, items: list[Any]) -> None:
+        posts = [value for fut, value, _ in items if fut is None]  # (a call's result comes with its future)
+        if posts:
+            self.events.append(("handed", posts))
+        self.inner.put(items)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+async def test_a_post_that_copied_is_handed_to_the_loop_before_the_next_copy_of_its_round() -> None:
+    """Three posts queue while the engine is busy, so that it takes them in one round; each copies
+    inside ``transfer()`` (CMA). The first's settle must not wait for the other two copies."""
+    agent, events = FakeAgent(), []
+    agent.finish = True
+    plane, settled = await started(agent)
+    plane._outbox = RecordingOutbox(plane._outbox, events)  # type: ignore[assignment]
+    transfer = agent.transfer
+
+    def recorded(h: int) -> str:
+        events.append(("copied", h))
+        return transfer(h)
+    agent.transfer = recorded  # type: ignore[method-assign]
+    gate = threading.Event()
+    busy = asyncio.ensure_future(plane.call(lambda a: gate.wait(5)))  # (it holds the engine until the posts wait)
+    for post_id in (1, 2, 3):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    gate.set()
+    await busy
+    await until(lambda: sorted(post_id for post_id, _ in settled) == [1, 2, 3])
+    assert [what for what, _ in events] == ["copied", "handed", "copied", "handed", "copied", "handed"]
+    assert [ids for what, ids in events if what == "handed"] == [[1], [2], [3]]
+    assert all(error is None for _, error in settled)
+    await plane.close()
+
+
 async def test_close_returns_only_after_the_posts_taken_during_close_settled() -> None:
     """Posts handed over while close() waits for its shutdown call are taken (and settle) before the
     engine stops; the loop takes settles a few per round, so close() must flush the rest itself."""
@@ -544,6 +587,8 @@ async def test_a_settle_handler_that_raises_does_not_hold_back_a_dead_threads_or
     plane.post(3, "peer", prepped(), 30.0)
     await until(lambda: [p for p, _ in settled] == [2])  # before close: the held post settled (failed)
     assert isinstance(settled[0][1], Exception) and "engine thread died" in str(settled[0][1])
+    assert plane._thread is not None
+    await until(lambda: not plane._thread.is_alive())  # type: ignore[union-attr] (its death is this test's, not the next's)
     await plane.close()
 
 
