@@ -45,6 +45,8 @@ class PostCmd:
     deadline: float = 0.0
     stop: BaseException | None = None
     """Why the post may start nothing more and will settle with an error (cancel, lease, peer, failure)."""
+    members: tuple[PostCmd, ...] = ()
+    """The posts this one moves in one handle (the engine merged them: ``merging``); it settles each, never itself."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import ClosedError, TransportError
 from .base import U64, DescPiece, MemoryLayout, Write
 from .commands import DRAIN_BATCH, Call, Cancel, Command, Forget, Outbox, PostCmd, map_nixl_error
+from .merging import members
 from .nixl_engine import NixlEngine
 
 __all__ = ["NixlDataPlane", "map_nixl_error"]
@@ -157,7 +158,10 @@ class NixlDataPlane(NixlEngine):
         commands, done = self._round  # (the round it died in: what finished there was never handed over)
         self._round = ([], [])
         finished = {_result_key(fut, value) for fut, value, _ in done}
-        held = {id(c): c for c in (*self._in_flight, *self._woken, *commands) if c is not None}  # (woken: a
+        for post in self._in_flight:  # (whatever UCX still does with their handles)
+            if post.handle is not None:
+                self.settled_in_flight.update(m.post_id for m in members([post]) if m.fut is None)
+        held = {id(c): c for c in (*members(self._in_flight), *self._woken, *commands) if c is not None}  # (woken: a
         orphans: list[Any] = [c for c in held.values()  # command that woke it just before it died)
                               if _result_key(getattr(c, "fut", None), getattr(c, "post_id", None)) not in finished]
         self._in_flight, self._woken = [], []

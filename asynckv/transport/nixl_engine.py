@@ -11,12 +11,11 @@ machine (2-core VM, UCX over loopback, DRAM):
   more seen): every post has a deadline.
 
 The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop drains a few per
-round. A post that settled is handed over before the thread takes up the next command of its round: a round may
-hold several copies (posts queue while one copies), and 1-page rooms, 32 in flight between two processes, waited
-6.7 ms (p50) from their copy's end to the loop's settle when a round's settles went together, 2.7 ms handed over
-one by one. A post is a series of handles, one in flight at a time; its write lease and the cancel set are checked
-before each starts, so a cancelled or lease-lapsed post lands at most the handle already in flight (posting every
-handle at once let a slow TCP post land bytes for seconds past its lease in the simulator).
+round, each as soon as it settled (1-page rooms, 32 in flight: 6.7 ms from copy to the loop's settle, p50, when a
+round's settles went together; 2.7 ms one by one). Posts queued together to one peer may move as one handle
+(``merging``). A post is a series of handles, one in flight at a time; its write lease and the cancel set are
+checked before each starts, so a cancelled or lease-lapsed post lands at most the handle already in flight (posting
+every handle at once let a slow TCP post land bytes for seconds past its lease in the simulator).
 
 NIXL cannot cancel a transfer in flight: releasing a ``PROC`` handle lets UCX finish it into freed memory, and
 tearing an agent down under requests queued to a stopped peer aborted the process (docs/failures.md). So a post
@@ -46,6 +45,7 @@ from ..proto.topology import check_metadata_name
 from .agent import keep_until_exit, nixl_agent
 from .base import U64, DescPiece, MemoryLayout, Notified, PreppedPiece, Settled
 from .commands import Cancel, Command, Forget, Outbox, PostCmd, map_nixl_error
+from .merging import members, merge_run
 
 __all__ = ["NixlEngine"]
 
@@ -63,12 +63,10 @@ class NixlEngine:
                  agent_factory: Callable[[str, str], Any] | None = None, loopback_only: bool = False) -> None:
         self.name = name
         self._backend = backend
-        self._agent_factory = agent_factory or (lambda n, b: nixl_agent(n, b, loopback_only))
-        """(name, backend) -> agent, called on the engine thread (tests pass a recording fake)."""
+        self._agent_factory = agent_factory or (lambda n, b: nixl_agent(n, b, loopback_only))  # (tests pass a fake)
         self._idle_poll_s = idle_poll_s
         self._deep_idle_s = max(deep_idle_s, idle_poll_s)
-        self._expecting = expecting if expecting is not None else (lambda: True)
-        """Whether peers may write to us (decode rooms waiting): poll every ``idle_poll_s``, else ``deep_idle_s``."""
+        self._expecting = expecting if expecting is not None else (lambda: True)  # (peers may write to us: poll)
         self.on_settled: Settled = lambda batch: None
         self.on_notified: Notified | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,23 +78,19 @@ class NixlEngine:
         self._round: tuple[list[Any], list[Any]] = ([], [])  # (this round's commands and results, until delivered)
         self._closed = False
         self._leases: dict[str, float] = {}
-        self._cancelled: dict[int, BaseException] = {}
-        """Posts the loop cancelled; read between handles (a dict update is atomic under the GIL)."""
+        self._cancelled: dict[int, BaseException] = {}  # (by the loop; read between handles: atomic under the GIL)
         self._in_flight: list[PostCmd] = []
         self.settled_in_flight: set[int] = set()  # (added before their settle is delivered: take_in_flight)
         self._notified = False  # (a notification was sent since the last round that settled something)
-        self.posts_in_flight = 0
-        self.rounds = 0
+        self.posts_in_flight = self.rounds = self.merged = 0  # (merged: posts that went in a merged handle)
         self.thread_error: BaseException | None = None
         # engine-thread state
         self._agent: Any = None
         self._memory: MemoryLayout | None = None
         self._reg_handles: list[Any] = []
         self._local_dlist: Any = None
-        self._parked: list[tuple[str, Any]] = []
-        """(peer, handle) still in flight after their post settled; released once they complete."""
-        self._retired: dict[str, list[Any]] = {}
-        """Forgotten peers whose dlists and agent removal wait for their parked handles."""
+        self._parked: list[tuple[str, Any]] = []  # ((peer, handle) in flight after their post settled, until done)
+        self._retired: dict[str, list[Any]] = {}  # (forgotten peers' dlists and agents, until nothing is parked)
         self._remote: dict[str, Any] = {}
         """Connected peers and their prepared destination dlists (None when not prepared)."""
 
@@ -254,8 +248,11 @@ class NixlEngine:
                 cmd = commands[0]
                 if cmd is None:
                     stop = True
-                elif isinstance(cmd, PostCmd):
-                    self._start(cmd, done)
+                elif isinstance(cmd, PostCmd):  # (with the posts queued behind it to the same peer, when they merge)
+                    run = merge_run(commands, self._refusal, time.monotonic())
+                    self._start(run or cmd, done)
+                    self.merged += len(run.members) if run else 0
+                    del commands[1:len(run.members) if run else 1]
                 elif isinstance(cmd, Cancel):
                     self._apply_cancel(cmd, done)
                 elif isinstance(cmd, Forget):
@@ -278,7 +275,7 @@ class NixlEngine:
                 self._notify(agent.get_new_notifs())  # drives UCX progress: there is no progress thread
             except Exception:
                 log.debug("get_new_notifs failed", exc_info=True)
-            self.posts_in_flight = len(self._in_flight)
+            self.posts_in_flight = len(members(self._in_flight))
             self.rounds += 1
             if done:
                 self._deliver(done)
@@ -358,7 +355,7 @@ class NixlEngine:
                                      agent.get_xfer_descs(piece.dst, piece.dst_kind), peer)
 
     def _apply_cancel(self, cmd: Cancel, done: list[Any]) -> None:
-        in_flight = {post.post_id for post in self._in_flight}
+        in_flight = {post.post_id for post in members(self._in_flight)}
         for post in self._in_flight:  # (their handles cannot be stopped: they settle when done)
             if post.post_id in self._cancelled:
                 post.stop = post.stop or cmd.reason
@@ -404,13 +401,17 @@ class NixlEngine:
             log.warning("release_xfer_handle failed", exc_info=True)
 
     def _finish(self, post: PostCmd, error: BaseException | None, done: list[Any]) -> None:
-        """Report the post once. A handle still in flight (past the deadline or at close) is parked."""
-        if post.handle is not None:
+        """Report the post once (a merged one: each member). A handle still in flight (deadline, close) is parked."""
+        parked = post.handle is not None
+        if parked:  # (it may still read the posts' source memory)
             self._parked.append((post.peer, post.handle))
             post.handle = None
-            if post.fut is None:
-                self.settled_in_flight.add(post.post_id)  # (it may still read the post's source memory)
-        elif error is None and post.write.notif:  # every byte landed: now (never for a write that stopped)
+            self.settled_in_flight.update(m.post_id for m in members([post]) if m.fut is None)
+        if post.members:  # (a member cancelled while the handle was in flight settles as cancelled, as a post would)
+            for m in post.members:
+                self._finish(m, error or self._cancelled.get(m.post_id), done)
+            return
+        if not parked and error is None and post.write.notif:  # every byte landed: now (never for a write that stopped)
             try:
                 self._agent.send_notif(post.peer, post.write.notif)
                 self._notified = True  # (UCX may leave it half sent: the next progress calls send the rest)

@@ -1,0 +1,144 @@
+"""Posts queued together to one peer move as one handle (``asynckv.transport.merging``), against the
+recording fake agent: each member settles once, with the handle's outcome or its own cancel; a
+cancelled post never joins a run; a parked handle flags every member; a dead thread settles each."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asynckv.errors import RemoteProtocolError, TransferTimeout
+from asynckv.transport.base import PreppedPiece, Write
+from asynckv.transport.merging import MERGE_MIN_POSTS
+from asynckv.transport.nixl import NixlDataPlane
+
+from .test_nixl_plane import FakeAgent, started, until
+
+
+def one(k: int, notif: bytes = b"") -> Write:
+    """A post of descriptor ``k`` to descriptor ``100 + k`` (so a handle shows whose posts it moves)."""
+    return Write((PreppedPiece(np.array([k], dtype=np.int32), np.array([100 + k], dtype=np.int32)),), 1, 64, notif)
+
+
+class Handles:
+    """Records the source descriptors of every handle the engine makes."""
+
+    def __init__(self, agent: FakeAgent) -> None:
+        self.srcs: list[list[int]] = []
+        make = agent.make_prepped_xfer
+
+        def recorded(op: str, local: int, src: Any, remote: int, dst: Any) -> int:
+            assert list(dst) == [100 + int(k) for k in src]  # (each member's pages go where it asked)
+            self.srcs.append([int(k) for k in src])
+            return make(op, local, src, remote, dst)
+        agent.make_prepped_xfer = recorded  # type: ignore[method-assign]
+
+
+async def queued_together(plane: NixlDataPlane, posts: list[tuple[int, Write]], timeout_s: float = 30.0,
+                          before: Any = None) -> None:
+    """Post ``posts`` while a call holds the engine, so that it takes them in one round."""
+    gate = threading.Event()
+    busy = asyncio.ensure_future(plane.call(lambda a: gate.wait(5)))
+    for post_id, write in posts:
+        plane.post(post_id, "peer", write, timeout_s)
+    if before is not None:
+        before()
+    gate.set()
+    await busy
+
+
+async def test_posts_queued_together_to_one_peer_move_as_one_handle_and_each_settles_once() -> None:
+    agent = FakeAgent()
+    agent.finish = True
+    plane, settled = await started(agent)
+    handles = Handles(agent)
+    await queued_together(plane, [(k, one(k)) for k in range(1, 7)])
+    await until(lambda: len(settled) == 6)
+    assert sorted(settled) == [(k, None) for k in range(1, 7)]
+    assert handles.srcs == [[1, 2, 3, 4, 5, 6]] and plane.merged == 6
+    await asyncio.sleep(0.02)
+    assert len(settled) == 6
+    await plane.close()
+
+
+async def test_fewer_posts_than_a_run_or_a_notification_each_go_alone() -> None:
+    agent = FakeAgent()
+    agent.finish = True
+    plane, settled = await started(agent)
+    handles = Handles(agent)
+    short = MERGE_MIN_POSTS - 1  # a run one post short on each side of a post with a notification (SGLang's wire)
+    posts = [(k, one(k)) for k in range(short)] + [(50, one(50, notif=b"done"))]
+    posts += [(60 + k, one(60 + k)) for k in range(short)]
+    await queued_together(plane, posts)
+    await until(lambda: len(settled) == len(posts))
+    assert all(error is None for _, error in settled) and plane.merged == 0
+    assert handles.srcs == [[k] for k, _ in posts] and agent.sent_notifs == [("peer", b"done")]
+    await plane.close()
+
+
+async def test_a_post_cancelled_before_its_round_never_joins_a_run_and_never_starts() -> None:
+    agent = FakeAgent()
+    agent.finish = True
+    plane, settled = await started(agent)
+    handles = Handles(agent)
+    reason = RemoteProtocolError("aborted")
+    await queued_together(plane, [(k, one(k)) for k in range(1, 11)], before=lambda: plane.cancel([5], reason))
+    await until(lambda: len(settled) == 10)
+    assert dict(settled)[5] is reason and all(e is None for k, e in settled if k != 5)
+    assert handles.srcs == [[1, 2, 3, 4], [6, 7, 8, 9, 10]]
+    await plane.close()
+
+
+async def test_a_member_cancelled_while_the_handle_flies_settles_cancelled_the_others_landed() -> None:
+    agent = FakeAgent()  # (handles stay in flight until finish: UCX over TCP)
+    plane, settled = await started(agent)
+    handles = Handles(agent)
+    await queued_together(plane, [(k, one(k)) for k in range(1, 6)])
+    await until(lambda: plane.posts_in_flight == 5)
+    reason = RemoteProtocolError("aborted")
+    plane.cancel([3], reason)
+    await asyncio.sleep(0.02)  # (the cancel reached the engine; nothing settles before the handle is done)
+    assert settled == []
+    agent.finish = True
+    await until(lambda: len(settled) == 5)
+    assert dict(settled)[3] is reason and all(e is None for k, e in settled if k != 3)
+    assert handles.srcs == [[1, 2, 3, 4, 5]] and not any(plane.take_in_flight(k) for k in range(1, 6))
+    await plane.close()
+
+
+async def test_a_merged_handle_past_its_deadline_is_parked_once_and_flags_every_member() -> None:
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    await queued_together(plane, [(k, one(k)) for k in range(1, 6)], timeout_s=0.2)
+    await until(lambda: len(settled) == 5)
+    assert all(isinstance(e, TransferTimeout) for _, e in settled)
+    assert len(plane._parked) == 1 and all(plane.take_in_flight(k) for k in range(1, 6))
+    agent.finish = True
+    await until(lambda: not plane._parked)
+    await plane.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+async def test_a_thread_that_dies_with_a_merged_handle_in_flight_settles_each_member_once() -> None:
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    await queued_together(plane, [(k, one(k)) for k in range(1, 6)])
+    await until(lambda: plane.posts_in_flight == 5)
+
+    def dies() -> dict[str, list[bytes]]:
+        raise SystemExit("engine bug")
+    agent.get_new_notifs = dies  # type: ignore[method-assign]
+    thread = plane._thread
+    assert thread is not None
+    await until(lambda: not thread.is_alive())
+    await plane.close()
+    await until(lambda: len(settled) == 5)
+    assert sorted(k for k, _ in settled) == [1, 2, 3, 4, 5]
+    assert all("engine thread died" in str(e) for _, e in settled)
+    assert all(plane.take_in_flight(k) for k in range(1, 6))  # (UCX may still read their sources)
+    await asyncio.sleep(0.02)
+    assert len(settled) == 5
