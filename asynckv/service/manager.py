@@ -39,6 +39,7 @@ from ..proto.topology import PrefillInstance
 from ..transport.base import ControlPlane, DataPlane
 from ..transport.control import ControlChannel
 from ..transport.lanes import LanedDataPlane
+from ..transport.merging import MERGE_MAX_BYTES
 from ..transport.nixl import NixlDataPlane
 from ..transport.stream import StreamChannel
 from . import metrics
@@ -387,8 +388,10 @@ class KVManager:
 
 def _nixl_plane(name: str, config: Config, expecting: Callable[[], bool], lanes: int) -> DataPlane:
     def make(agent: str) -> NixlDataPlane:
-        return NixlDataPlane(agent, backend=config.nixl_backend, idle_poll_s=config.idle_poll_s, expecting=expecting,
-                             loopback_only=config.protected)  # protected mode: UCX listens on loopback only too
+        plane = NixlDataPlane(agent, backend=config.nixl_backend, idle_poll_s=config.idle_poll_s, expecting=expecting,
+                              loopback_only=config.protected)  # protected mode: UCX listens on loopback only too
+        plane.merge_limits = (min(MERGE_MAX_BYTES, config.xfer_handle_bytes), config.max_descs_per_xfer)  # (the fence's
+        return plane  # bounds on one handle hold for merged posts too)
     return make(name) if lanes == 1 else LanedDataPlane.make(name, lanes, make)
 
 

@@ -10,7 +10,8 @@ engine, 13% of transfers taking over 1 ms of wall time for a 256 KiB copy of 62 
 So the engine moves a run of consecutive queued posts to the same peer in one handle when each
 is one prepared piece (no explicit descriptors, no SGLang notification, not a warm-up), none is
 refused (cancelled, lease lapsed, peer gone) when the run is formed, and the run holds at least
-``MERGE_MIN_POSTS`` and at most ``MERGE_MAX_POSTS`` posts and ``MERGE_MAX_BYTES``. A cancelled
+``MERGE_MIN_POSTS`` and at most ``MERGE_MAX_POSTS`` posts, bytes and descriptors (the bounds on
+one handle that the manager's config sets). A cancelled
 or refused post never joins a run, so it never starts. The merged post carries the originals as
 ``members`` and settles each: with the handle's outcome, or with a member's own cancel that came
 while the handle was in flight (as a single post would: its bytes may have landed, it settles as
@@ -27,14 +28,17 @@ import numpy as np
 from .base import PreppedPiece, Write
 from .commands import Command, PostCmd
 
-__all__ = ["MERGE_MAX_BYTES", "MERGE_MAX_POSTS", "MERGE_MIN_POSTS", "merge_run", "members"]
+__all__ = ["MERGE_MAX_BYTES", "MERGE_MAX_DESCS", "MERGE_MAX_POSTS", "MERGE_MIN_POSTS", "merge_run", "members"]
 
 MERGE_MIN_POSTS, MERGE_MAX_POSTS = 4, 64
 """Fewer posts queued together go one handle each: each settles as soon as it copied."""
 MERGE_MAX_BYTES = 32 << 20
 """A merged handle moves at most this many bytes: the first member's settle waits for the whole
 copy, about 8 ms at 4 GB/s. 1-page rooms of 64 buffers (2 MiB posts), 32 in flight, 8 interleaved
-pairs: 956 -> 1,105 requests/s (medians) against 8 MiB, where four such posts never merged."""
+pairs: 956 -> 1,105 requests/s (medians) against 8 MiB, where four such posts never merged. A
+manager lowers it to its ``Config.xfer_handle_bytes`` (the fence's bound on one handle)."""
+MERGE_MAX_DESCS = 16384
+"""Descriptors a merged handle may hold (a manager sets its ``Config.max_descs_per_xfer``)."""
 
 
 def _mergeable(cmd: Command, peer: str) -> bool:
@@ -45,26 +49,27 @@ def _mergeable(cmd: Command, peer: str) -> bool:
         and cmd.next_piece == 0 and write.nbytes < MERGE_MAX_BYTES
 
 
-def merge_run(commands: Sequence[Command], refusal: Callable[[PostCmd, float], BaseException | None],
-              now: float) -> PostCmd | None:
+def merge_run(commands: Sequence[Command], refusal: Callable[[PostCmd, float], BaseException | None], now: float,
+              max_bytes: int = MERGE_MAX_BYTES, max_descs: int = MERGE_MAX_DESCS) -> PostCmd | None:
     """One post for the run of posts that starts ``commands`` (none with a ``refusal`` at ``now``), or
-    None when fewer than ``MERGE_MIN_POSTS`` would merge. The run's posts are ``commands[:len(result.members)]``."""
+    None when fewer than ``MERGE_MIN_POSTS`` would merge within ``max_bytes`` and ``max_descs``. The
+    run's posts are ``commands[:len(result.members)]``."""
     first = commands[0]
     if not isinstance(first, PostCmd) or not _mergeable(first, first.peer) or refusal(first, now) is not None:
         return None
-    run, nbytes = [first], first.write.nbytes
+    run, nbytes, descs = [first], first.write.nbytes, first.write.descriptors
     for cmd in commands[1:MERGE_MAX_POSTS]:
-        if not isinstance(cmd, PostCmd) or not _mergeable(cmd, first.peer) or \
-                nbytes + cmd.write.nbytes > MERGE_MAX_BYTES or refusal(cmd, now) is not None:
+        if not isinstance(cmd, PostCmd) or not _mergeable(cmd, first.peer) or nbytes + cmd.write.nbytes > max_bytes \
+                or descs + cmd.write.descriptors > max_descs or refusal(cmd, now) is not None:
             break
         run.append(cmd)
-        nbytes += cmd.write.nbytes
+        nbytes, descs = nbytes + cmd.write.nbytes, descs + cmd.write.descriptors
     if len(run) < MERGE_MIN_POSTS:
         return None
     pieces = [p.write.pieces[0] for p in run]
     src = np.concatenate([p.src_idx for p in pieces if isinstance(p, PreppedPiece)])
     dst = np.concatenate([p.dst_idx for p in pieces if isinstance(p, PreppedPiece)])
-    write = Write((PreppedPiece(src, dst),), sum(p.write.descriptors for p in run), nbytes)
+    write = Write((PreppedPiece(src, dst),), descs, nbytes)
     return PostCmd(-2, first.peer, write, min(p.timeout_s for p in run), members=tuple(run))
 
 

@@ -11,20 +11,19 @@ machine (2-core VM, UCX over loopback, DRAM):
   more seen): every post has a deadline.
 
 The loop hands commands over a queue; settled posts come back through an ``Outbox`` that the loop drains a few per
-round, each as soon as it settled (1-page rooms, 32 in flight: 6.7 ms from copy to the loop's settle, p50, when a
-round's settles went together; 2.7 ms one by one). Posts queued together to one peer may move as one handle
-(``merging``). A post is a series of handles, one in flight at a time; its write lease and the cancel set are
-checked before each starts, so a cancelled or lease-lapsed post lands at most the handle already in flight (posting
-every handle at once let a slow TCP post land bytes for seconds past its lease in the simulator).
+round, each as soon as it settled (1-page rooms, 32 in flight: 6.7 ms from copy to settle, p50, when a round's
+settles went together; 2.7 ms one by one). Posts queued together may move as one handle (``merging``). A post is a
+series of handles, one in flight at a time; its write lease and the cancel set are checked before each starts, so a
+cancelled or lease-lapsed post lands at most the handle already in flight (posting every handle at once let a slow
+TCP post land bytes for seconds past its lease in the simulator).
 
-NIXL cannot cancel a transfer in flight: releasing a ``PROC`` handle lets UCX finish it into freed memory, and
-tearing an agent down under requests queued to a stopped peer aborted the process (docs/failures.md). So a post
-that is cancelled, loses its lease or its peer *stops*: it starts no further handle and settles (with the error)
-once the handle already in flight completed or failed. Only a post unfinished at its deadline, or at close,
-settles with a handle in flight: the handle is *parked*, polled each round and released once it completes or
-fails. Forgetting a peer and closing run as one sequence on this thread; if handles are still parked at close (a
-peer stopped for good), the agent and its registrations are kept until the process exits, whatever step of the
-close raised.
+NIXL cannot cancel a transfer in flight: releasing a ``PROC`` handle lets UCX finish it into freed memory, and tearing
+an agent down under requests queued to a stopped peer aborted the process (docs/failures.md). So a post that is
+cancelled, loses its lease or its peer *stops*: it starts no further handle and settles (with the error) once the
+handle already in flight completed or failed. Only a post unfinished at its deadline, or at close, settles with a
+handle in flight: the handle is *parked*, polled each round and released once it completes or fails. Forgetting a peer
+and closing run as one sequence on this thread; if handles are still parked at close (a peer stopped for good), the
+agent and its registrations are kept until the process exits, whatever step of the close raised.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from ..proto.topology import check_metadata_name
 from .agent import keep_until_exit, nixl_agent
 from .base import U64, DescPiece, MemoryLayout, Notified, PreppedPiece, Settled
 from .commands import Cancel, Command, Forget, Outbox, PostCmd, map_nixl_error
-from .merging import members, merge_run
+from .merging import MERGE_MAX_BYTES, MERGE_MAX_DESCS, members, merge_run
 
 __all__ = ["NixlEngine"]
 
@@ -83,6 +82,7 @@ class NixlEngine:
         self.settled_in_flight: set[int] = set()  # (added before their settle is delivered: take_in_flight)
         self._notified = False  # (a notification was sent since the last round that settled something)
         self.posts_in_flight = self.rounds = self.merged = 0  # (merged: posts that went in a merged handle)
+        self.merge_limits = (MERGE_MAX_BYTES, MERGE_MAX_DESCS)  # (bytes, descriptors) of a merged handle at most
         self.thread_error: BaseException | None = None
         # engine-thread state
         self._agent: Any = None
@@ -249,7 +249,7 @@ class NixlEngine:
                 if cmd is None:
                     stop = True
                 elif isinstance(cmd, PostCmd):  # (with the posts queued behind it to the same peer, when they merge)
-                    run = merge_run(commands, self._refusal, time.monotonic())
+                    run = merge_run(commands, self._refusal, time.monotonic(), *self.merge_limits)
                     self._start(run or cmd, done)
                     self.merged += len(run.members) if run else 0
                     del commands[1:len(run.members) if run else 1]

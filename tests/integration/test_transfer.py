@@ -309,8 +309,9 @@ async def test_posts_queued_behind_a_busy_engine_move_merged_and_land_byte_exact
     """Rooms whose posts queue while the write lane is busy (here held by a call): the engine moves
     them as merged handles (``asynckv.transport.merging``), and every page still lands where its
     room asked, over real NIXL."""
-    async with make_pair(entries=2, pages=256, item=128) as pair:
+    async with make_pair(entries=2, pages=256, item=128, xfer_handle_bytes=1 << 20) as pair:
         lane = pair.prefill.data_plane.lanes[0]  # type: ignore[attr-defined] (small posts go to lane 0)
+        assert lane.merge_limits == (1 << 20, Config().max_descs_per_xfer)  # (the fence's bound on one handle)
         gate = threading.Event()
         held = asyncio.ensure_future(lane.call(lambda agent: gate.wait(10)))
         rng = np.random.default_rng(3)

@@ -142,3 +142,21 @@ async def test_a_thread_that_dies_with_a_merged_handle_in_flight_settles_each_me
     assert all(plane.take_in_flight(k) for k in range(1, 6))  # (UCX may still read their sources)
     await asyncio.sleep(0.02)
     assert len(settled) == 5
+
+
+async def test_a_run_stops_at_the_bounds_a_manager_set_for_one_handle() -> None:
+    """``Config.xfer_handle_bytes`` bounds what one handle may land after its lease was checked (the
+    fence); ``max_descs_per_xfer`` its descriptors: merged handles keep both."""
+    agent = FakeAgent()
+    agent.finish = True
+    plane, settled = await started(agent)
+    handles = Handles(agent)
+    plane.merge_limits = (4 * 64, 1000)  # (bytes: four of these posts)
+    await queued_together(plane, [(k, one(k)) for k in range(1, 10)])
+    await until(lambda: len(settled) == 9)
+    plane.merge_limits = (10**9, 5)  # (descriptors: five)
+    await queued_together(plane, [(k, one(k)) for k in range(11, 20)])
+    await until(lambda: len(settled) == 18)
+    assert all(e is None for _, e in settled)
+    assert handles.srcs == [[1, 2, 3, 4], [5, 6, 7, 8], [9], [11, 12, 13, 14, 15], [16, 17, 18, 19]]
+    await plane.close()
