@@ -37,7 +37,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import U64, MemoryLayout, Notified, Settled, Write
+from .base import U64, MemoryLayout, Notified, PreppedPiece, Settled, Write
 from .nixl import NixlDataPlane
 
 __all__ = ["SMALL_POST_BYTES", "SMALL_POST_DESCRIPTORS", "LanedDataPlane"]
@@ -147,8 +147,9 @@ class LanedDataPlane:
             part_id = next(self._part_ids)
             self._split[part_id] = group
             self._parts[post_id].append(part_id)
-            share = Write(pieces, write.descriptors * len(pieces) // len(write.pieces),
-                          write.nbytes * len(pieces) // len(write.pieces))
+            descs = sum(len(p.src_idx) if isinstance(p, PreppedPiece) else len(p.src) for p in pieces)
+            share = Write(pieces, descs, -(-write.nbytes * descs // max(1, write.descriptors)))  # (its own pieces'
+            # count, and bytes by it: merged shares keep the bounds on one handle, but for an aux row on the last)
             self._post_on(lane, part_id, peer, share, timeout_s, big)
 
     def _least_loaded(self) -> int:

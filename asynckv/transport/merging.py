@@ -7,16 +7,16 @@ each of those calls: with the loop busy on the same GIL, taking it back was most
 engine's time (a traced run at 1,000 rooms in flight: a median of 950 posts waiting for the
 engine, 13% of transfers taking over 1 ms of wall time for a 256 KiB copy of 62 us median).
 
-So the engine moves a run of consecutive queued posts to the same peer in one handle when each
-is one prepared piece (no explicit descriptors, no SGLang notification, not a warm-up), none is
-refused (cancelled, lease lapsed, peer gone) when the run is formed, and the run holds at least
-``MERGE_MIN_POSTS`` and at most ``MERGE_MAX_POSTS`` posts, bytes and descriptors (the bounds on
-one handle that the manager's config sets). A cancelled
-or refused post never joins a run, so it never starts. The merged post carries the originals as
-``members`` and settles each: with the handle's outcome, or with a member's own cancel that came
-while the handle was in flight (as a single post would: its bytes may have landed, it settles as
-cancelled). A handle parked past a deadline or at close marks every member as settled with a
-handle in flight.
+So the engine moves a run of consecutive queued posts to the same peer in one handle when each is
+one prepared piece (no explicit descriptors, no SGLang notification, not a warm-up), none is refused
+(cancelled, lease lapsed, peer gone) when the run is formed, and the run holds at least
+``MERGE_MIN_POSTS`` and at most ``MERGE_MAX_POSTS`` posts, bytes and descriptors (the bounds on one
+handle that the manager's config sets). A cancelled or refused post never joins a run, so it never
+starts. The merged post carries the originals as ``members`` and settles each: with the handle's
+outcome, or with a member's own first stop (a cancel that came while the handle was in flight, as a
+single post's would: its bytes may have landed, it settles as cancelled). A lane's share of a split
+write counts its own pieces' descriptors, so merged shares keep the bounds too. A handle parked past
+a deadline or at close marks every member as settled with a handle in flight.
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ def _mergeable(cmd: Command, peer: str) -> bool:
         and cmd.next_piece == 0 and write.nbytes < MERGE_MAX_BYTES
 
 
+def _descriptors(post: PostCmd) -> int:
+    """Counted from the piece (a lane's share of a split write states an estimate)."""
+    piece = post.write.pieces[0]
+    return len(piece.src_idx) if isinstance(piece, PreppedPiece) else post.write.descriptors
+
+
 def merge_run(commands: Sequence[Command], refusal: Callable[[PostCmd, float], BaseException | None], now: float,
               max_bytes: int = MERGE_MAX_BYTES, max_descs: int = MERGE_MAX_DESCS) -> PostCmd | None:
     """One post for the run of posts that starts ``commands`` (none with a ``refusal`` at ``now``), or
@@ -57,13 +63,13 @@ def merge_run(commands: Sequence[Command], refusal: Callable[[PostCmd, float], B
     first = commands[0]
     if not isinstance(first, PostCmd) or not _mergeable(first, first.peer) or refusal(first, now) is not None:
         return None
-    run, nbytes, descs = [first], first.write.nbytes, first.write.descriptors
+    run, nbytes, descs = [first], first.write.nbytes, _descriptors(first)
     for cmd in commands[1:MERGE_MAX_POSTS]:
         if not isinstance(cmd, PostCmd) or not _mergeable(cmd, first.peer) or nbytes + cmd.write.nbytes > max_bytes \
-                or descs + cmd.write.descriptors > max_descs or refusal(cmd, now) is not None:
+                or descs + _descriptors(cmd) > max_descs or refusal(cmd, now) is not None:
             break
         run.append(cmd)
-        nbytes, descs = nbytes + cmd.write.nbytes, descs + cmd.write.descriptors
+        nbytes, descs = nbytes + cmd.write.nbytes, descs + _descriptors(cmd)
     if len(run) < MERGE_MIN_POSTS:
         return None
     pieces = [p.write.pieces[0] for p in run]

@@ -275,8 +275,7 @@ class NixlEngine:
                 self._notify(agent.get_new_notifs())  # drives UCX progress: there is no progress thread
             except Exception:
                 log.debug("get_new_notifs failed", exc_info=True)
-            self.posts_in_flight = len(members(self._in_flight))
-            self.rounds += 1
+            self.posts_in_flight, self.rounds = len(members(self._in_flight)), self.rounds + 1
             if done:
                 self._deliver(done)
             self._round = ([], [])  # (delivered: nothing of this round is left for the loop to settle)
@@ -356,9 +355,10 @@ class NixlEngine:
 
     def _apply_cancel(self, cmd: Cancel, done: list[Any]) -> None:
         in_flight = {post.post_id for post in members(self._in_flight)}
-        for post in self._in_flight:  # (their handles cannot be stopped: they settle when done)
-            if post.post_id in self._cancelled:
-                post.stop = post.stop or cmd.reason
+        for post in self._in_flight:  # (their handles cannot be stopped: they settle when done; the first stop wins)
+            for m in post.members or (post,):
+                if m.post_id in self._cancelled:
+                    m.stop = m.stop or post.stop or cmd.reason
         for post_id in cmd.post_ids:  # cancels of posts that settled meanwhile
             if post_id not in in_flight:
                 self._cancelled.pop(post_id, None)
@@ -407,9 +407,9 @@ class NixlEngine:
             self._parked.append((post.peer, post.handle))
             post.handle = None
             self.settled_in_flight.update(m.post_id for m in members([post]) if m.fut is None)
-        if post.members:  # (a member cancelled while the handle was in flight settles as cancelled, as a post would)
+        if post.members:  # (a member cancelled while the handle flew settles with its own first stop, as a post would)
             for m in post.members:
-                self._finish(m, error or self._cancelled.get(m.post_id), done)
+                self._finish(m, (error if parked else m.stop or error) or self._cancelled.get(m.post_id), done)
             return
         if not parked and error is None and post.write.notif:  # every byte landed: now (never for a write that stopped)
             try:

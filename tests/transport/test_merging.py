@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 from asynckv.errors import RemoteProtocolError, TransferTimeout
-from asynckv.transport.base import PreppedPiece, Write
+from asynckv.proto.topology import stub_agent_metadata
+from asynckv.transport.base import MemoryLayout, PreppedPiece, Write
+from asynckv.transport.lanes import LanedDataPlane
 from asynckv.transport.merging import MERGE_MIN_POSTS
 from asynckv.transport.nixl import NixlDataPlane
 
-from .test_nixl_plane import FakeAgent, started, until
+from .test_nixl_plane import FakeAgent, rows, started, until
 
 
 def one(k: int, notif: bytes = b"") -> Write:
@@ -41,12 +44,30 @@ class Handles:
 async def queued_together(plane: NixlDataPlane, posts: list[tuple[int, Write]], timeout_s: float = 30.0,
                           before: Any = None) -> None:
     """Post ``posts`` while a call holds the engine, so that it takes them in one round."""
-    gate = threading.Event()
-    busy = asyncio.ensure_future(plane.call(lambda a: gate.wait(5)))
+    await holding(plane)
     for post_id, write in posts:
         plane.post(post_id, "peer", write, timeout_s)
     if before is not None:
         before()
+    await release(plane)
+
+
+_HELD: dict[int, tuple[threading.Event, asyncio.Future[Any]]] = {}
+
+
+async def holding(plane: NixlDataPlane) -> None:
+    """Until the engine thread is inside a call that holds it (``release`` lets it go)."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(agent: Any) -> bool:
+        entered.set()
+        return gate.wait(5)
+    _HELD[id(plane)] = (gate, asyncio.ensure_future(plane.call(hold)))
+    await until(entered.is_set)
+
+
+async def release(plane: NixlDataPlane) -> None:
+    gate, busy = _HELD.pop(id(plane))
     gate.set()
     await busy
 
@@ -159,4 +180,76 @@ async def test_a_run_stops_at_the_bounds_a_manager_set_for_one_handle() -> None:
     await until(lambda: len(settled) == 18)
     assert all(e is None for _, e in settled)
     assert handles.srcs == [[1, 2, 3, 4], [5, 6, 7, 8], [9], [11, 12, 13, 14, 15], [16, 17, 18, 19]]
+    await plane.close()
+
+
+@pytest.mark.parametrize("n", [1, 5], ids=["single", "merged"])
+@pytest.mark.parametrize("later", ["forget", "lease", "check_fails"])
+async def test_a_member_cancelled_in_flight_keeps_its_reason_through_a_later_stop_as_a_post_does(
+        later: str, n: int) -> None:
+    """Found by review: the merged post's later stop (the peer forgotten, the lease lapsed, a failed
+    check) overwrote a member's cancel, where a single post keeps its first stop."""
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    await queued_together(plane, [(k, one(k)) for k in range(1, n + 1)])
+    await until(lambda: plane.posts_in_flight == n)
+    assert plane.merged == (0 if n == 1 else 5)
+    reason = RemoteProtocolError("aborted")
+    plane.cancel([1], reason)
+    await holding(plane)  # (the cancel reached the engine before this call)
+    await release(plane)
+    if later == "forget":
+        plane.forget_peer("peer")
+    elif later == "lease":
+        plane.set_lease("peer", time.monotonic() - 1)
+    else:
+        def fails(h: int) -> str:
+            raise RuntimeError("nixl check failed")
+        agent.check_xfer_state = fails  # type: ignore[method-assign]
+    await asyncio.sleep(0.05)
+    agent.finish = True
+    await until(lambda: len(settled) == n)
+    outcome = dict(settled)
+    assert outcome[1] is reason
+    assert all(e is not None and e is not reason for k, e in outcome.items() if k != 1)  # (the later stop)
+    await plane.close()
+
+
+@pytest.mark.parametrize(("max_descs", "handles"), [(800, [300] * 4), (1200, [1200])])  # (lane 1: the 300s)
+async def test_shares_of_split_writes_merge_by_their_own_descriptors(max_descs: int, handles: list[int]) -> None:
+    """Found by review: a lane's share of a split write stated a proportional estimate of its
+    descriptors and bytes (a third of a write of pieces [300, 300, 1] for a share of 300), so four
+    shares merged past the bound on one handle. Shares now count their own pieces."""
+    agents = [FakeAgent(), FakeAgent()]
+    for a in agents:
+        a.finish = True
+    lanes = [NixlDataPlane(name, agent_factory=lambda n, b, a=a: a)
+             for name, a in zip(("me", "me.1"), agents, strict=True)]
+    plane = LanedDataPlane(lanes)
+    settled: list[Any] = []
+    plane.on_settled = settled.extend
+    await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
+    await plane.connect_peer("peer", stub_agent_metadata("peer"), rows(4), "DRAM")
+    plane.set_lease("peer", time.monotonic() + 60)
+    item, per = 4096, 300
+    for lane in lanes:
+        lane.merge_limits = (10**12, max_descs)
+    seen: list[int] = []
+    make = agents[1].make_prepped_xfer
+
+    def recorded(op: str, local: int, src: Any, remote: int, dst: Any) -> int:
+        seen.append(len(src))
+        return make(op, local, src, remote, dst)
+    agents[1].make_prepped_xfer = recorded  # type: ignore[method-assign]
+    for lane in lanes:
+        await holding(lane)
+    for k in range(4):
+        idx = np.arange(1000 * k, 1000 * k + 2 * per + 1, dtype=np.int32)  # pieces of 300, 300 and 1
+        pieces = tuple(PreppedPiece(idx[i:i + per], idx[i:i + per]) for i in range(0, len(idx), per))
+        plane.post(k + 1, "peer", Write(pieces, len(idx), len(idx) * item), 30.0)
+    for lane in lanes:
+        await release(lane)
+    await until(lambda: len(settled) == 4)
+    assert all(e is None for _, e in settled)
+    assert sorted(seen, reverse=True) == handles and max(seen) <= max_descs
     await plane.close()

@@ -443,8 +443,13 @@ async def test_a_post_that_copied_is_handed_to_the_loop_before_the_next_copy_of_
         events.append(("copied", h))
         return transfer(h)
     agent.transfer = recorded  # type: ignore[method-assign]
-    gate = threading.Event()
-    busy = asyncio.ensure_future(plane.call(lambda a: gate.wait(5)))  # (it holds the engine until the posts wait)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(agent: Any) -> bool:
+        entered.set()
+        return gate.wait(5)
+    busy = asyncio.ensure_future(plane.call(hold))  # (it holds the engine until the posts wait)
+    await until(entered.is_set)
     for post_id in (1, 2, 3):
         plane.post(post_id, "peer", prepped(), 30.0)
     gate.set()
