@@ -390,8 +390,9 @@ def _nixl_plane(name: str, config: Config, expecting: Callable[[], bool], lanes:
     def make(agent: str) -> NixlDataPlane:
         plane = NixlDataPlane(agent, backend=config.nixl_backend, idle_poll_s=config.idle_poll_s, expecting=expecting,
                               loopback_only=config.protected)  # protected mode: UCX listens on loopback only too
-        plane.merge_limits = (min(MERGE_MAX_BYTES, config.xfer_handle_bytes), config.max_descs_per_xfer)  # (the fence's
-        return plane  # bounds on one handle hold for merged posts too)
+        # A merged handle keeps the bounds on one handle: what may land after its lease check, and descriptors.
+        plane.merge_limits = (min(MERGE_MAX_BYTES, config.xfer_handle_bytes), config.max_descs_per_xfer)
+        return plane
     return make(name) if lanes == 1 else LanedDataPlane.make(name, lanes, make)
 
 

@@ -41,6 +41,14 @@ class Handles:
         agent.make_prepped_xfer = recorded  # type: ignore[method-assign]
 
 
+async def copying() -> tuple[FakeAgent, NixlDataPlane, list[tuple[int, BaseException | None]], Handles]:
+    """A started plane whose fake agent copies inside ``transfer()`` (CMA), its handles recorded."""
+    agent = FakeAgent()
+    agent.finish = True
+    plane, settled = await started(agent)
+    return agent, plane, settled, Handles(agent)
+
+
 async def queued_together(plane: NixlDataPlane, posts: list[tuple[int, Write]], timeout_s: float = 30.0,
                           before: Any = None) -> None:
     """Post ``posts`` while a call holds the engine, so that it takes them in one round."""
@@ -73,10 +81,7 @@ async def release(plane: NixlDataPlane) -> None:
 
 
 async def test_posts_queued_together_to_one_peer_move_as_one_handle_and_each_settles_once() -> None:
-    agent = FakeAgent()
-    agent.finish = True
-    plane, settled = await started(agent)
-    handles = Handles(agent)
+    _agent, plane, settled, handles = await copying()
     await queued_together(plane, [(k, one(k)) for k in range(1, 7)])
     await until(lambda: len(settled) == 6)
     assert sorted(settled) == [(k, None) for k in range(1, 7)]
@@ -87,10 +92,7 @@ async def test_posts_queued_together_to_one_peer_move_as_one_handle_and_each_set
 
 
 async def test_fewer_posts_than_a_run_or_a_notification_each_go_alone() -> None:
-    agent = FakeAgent()
-    agent.finish = True
-    plane, settled = await started(agent)
-    handles = Handles(agent)
+    agent, plane, settled, handles = await copying()
     short = MERGE_MIN_POSTS - 1  # a run one post short on each side of a post with a notification (SGLang's wire)
     posts = [(k, one(k)) for k in range(short)] + [(50, one(50, notif=b"done"))]
     posts += [(60 + k, one(60 + k)) for k in range(short)]
@@ -102,10 +104,7 @@ async def test_fewer_posts_than_a_run_or_a_notification_each_go_alone() -> None:
 
 
 async def test_a_post_cancelled_before_its_round_never_joins_a_run_and_never_starts() -> None:
-    agent = FakeAgent()
-    agent.finish = True
-    plane, settled = await started(agent)
-    handles = Handles(agent)
+    _agent, plane, settled, handles = await copying()
     reason = RemoteProtocolError("aborted")
     await queued_together(plane, [(k, one(k)) for k in range(1, 11)], before=lambda: plane.cancel([5], reason))
     await until(lambda: len(settled) == 10)
@@ -168,10 +167,7 @@ async def test_a_thread_that_dies_with_a_merged_handle_in_flight_settles_each_me
 async def test_a_run_stops_at_the_bounds_a_manager_set_for_one_handle() -> None:
     """``Config.xfer_handle_bytes`` bounds what one handle may land after its lease was checked (the
     fence); ``max_descs_per_xfer`` its descriptors: merged handles keep both."""
-    agent = FakeAgent()
-    agent.finish = True
-    plane, settled = await started(agent)
-    handles = Handles(agent)
+    _agent, plane, settled, handles = await copying()
     plane.merge_limits = (4 * 64, 1000)  # (bytes: four of these posts)
     await queued_together(plane, [(k, one(k)) for k in range(1, 10)])
     await until(lambda: len(settled) == 9)
