@@ -15,7 +15,7 @@ handle that the manager's config sets). A cancelled or refused post never joins 
 starts. The merged post carries the originals as ``members`` and settles each: with the handle's
 outcome, or with a member's own first stop (a cancel that came while the handle was in flight, as a
 single post's would: its bytes may have landed, it settles as cancelled). A lane's share of a split
-write counts its own pieces' descriptors, so merged shares keep the bounds too. A handle parked past
+write states its own pieces' descriptors (``lanes``), so merged shares keep the bounds too. A handle parked past
 a deadline or at close marks every member as settled with a handle in flight.
 """
 
@@ -49,12 +49,6 @@ def _mergeable(cmd: Command, peer: str) -> bool:
         and cmd.next_piece == 0 and write.nbytes < MERGE_MAX_BYTES
 
 
-def _descriptors(post: PostCmd) -> int:
-    """Counted from the piece (a lane's share of a split write states an estimate)."""
-    piece = post.write.pieces[0]
-    return len(piece.src_idx) if isinstance(piece, PreppedPiece) else post.write.descriptors
-
-
 def merge_run(commands: Sequence[Command], refusal: Callable[[PostCmd, float], BaseException | None], now: float,
               max_bytes: int = MERGE_MAX_BYTES, max_descs: int = MERGE_MAX_DESCS) -> PostCmd | None:
     """One post for the run of posts that starts ``commands`` (none with a ``refusal`` at ``now``), or
@@ -63,13 +57,13 @@ def merge_run(commands: Sequence[Command], refusal: Callable[[PostCmd, float], B
     first = commands[0]
     if not isinstance(first, PostCmd) or not _mergeable(first, first.peer) or refusal(first, now) is not None:
         return None
-    run, nbytes, descs = [first], first.write.nbytes, _descriptors(first)
+    run, nbytes, descs = [first], first.write.nbytes, first.write.descriptors
     for cmd in commands[1:MERGE_MAX_POSTS]:
         if not isinstance(cmd, PostCmd) or not _mergeable(cmd, first.peer) or nbytes + cmd.write.nbytes > max_bytes \
-                or descs + _descriptors(cmd) > max_descs or refusal(cmd, now) is not None:
+                or descs + cmd.write.descriptors > max_descs or refusal(cmd, now) is not None:
             break
         run.append(cmd)
-        nbytes, descs = nbytes + cmd.write.nbytes, descs + _descriptors(cmd)
+        nbytes, descs = nbytes + cmd.write.nbytes, descs + cmd.write.descriptors
     if len(run) < MERGE_MIN_POSTS:
         return None
     pieces = [p.write.pieces[0] for p in run]
