@@ -28,7 +28,8 @@ import numpy as np
 from .base import PreppedPiece, Write
 from .commands import Command, PostCmd
 
-__all__ = ["MERGE_MAX_BYTES", "MERGE_MAX_DESCS", "MERGE_MAX_POSTS", "MERGE_MIN_POSTS", "merge_run", "members"]
+__all__ = ["MERGE_MAX_BYTES", "MERGE_MAX_DESCS", "MERGE_MAX_POSTS", "MERGE_MEMBER_MAX_BYTES", "MERGE_MIN_POSTS",
+           "merge_run", "members"]
 
 MERGE_MIN_POSTS, MERGE_MAX_POSTS = 4, 64
 """Fewer posts queued together go one handle each: each settles as soon as it copied."""
@@ -37,6 +38,11 @@ MERGE_MAX_BYTES = 32 << 20
 copy, about 8 ms at 4 GB/s. 1-page rooms of 64 buffers (2 MiB posts), 32 in flight, 8 interleaved
 pairs: 956 -> 1,105 requests/s (medians) against 8 MiB, where four such posts never merged. A
 manager lowers it to its ``Config.xfer_handle_bytes`` (the fence's bound on one handle)."""
+MERGE_MEMBER_MAX_BYTES = 4 << 20
+"""A post this large or larger never merges: it copies for a millisecond or more, next to which its own handle's
+cost is small, and merged it would wait for its neighbours' copies to settle. (Shares of a split
+write, 4 MiB and up, merged four to a handle on each lane made rooms started together finish
+together, and one slow lane held all of them.)"""
 MERGE_MAX_DESCS = 16384
 """Descriptors a merged handle may hold (a manager sets its ``Config.max_descs_per_xfer``)."""
 
@@ -46,7 +52,7 @@ def _mergeable(cmd: Command, peer: str) -> bool:
         return False
     write = cmd.write
     return len(write.pieces) == 1 and isinstance(write.pieces[0], PreppedPiece) and not write.notif \
-        and cmd.next_piece == 0 and write.nbytes < MERGE_MAX_BYTES
+        and cmd.next_piece == 0 and write.nbytes < MERGE_MEMBER_MAX_BYTES
 
 
 def merge_run(commands: Sequence[Command], refusal: Callable[[PostCmd, float], BaseException | None], now: float,

@@ -16,15 +16,16 @@ from asynckv.errors import RemoteProtocolError, TransferTimeout
 from asynckv.proto.topology import stub_agent_metadata
 from asynckv.transport.base import MemoryLayout, PreppedPiece, Write
 from asynckv.transport.lanes import LanedDataPlane
-from asynckv.transport.merging import MERGE_MIN_POSTS
+from asynckv.transport.merging import MERGE_MEMBER_MAX_BYTES, MERGE_MIN_POSTS
 from asynckv.transport.nixl import NixlDataPlane
 
 from .test_nixl_plane import FakeAgent, rows, started, until
 
 
-def one(k: int, notif: bytes = b"") -> Write:
+def one(k: int, notif: bytes = b"", nbytes: int = 64) -> Write:
     """A post of descriptor ``k`` to descriptor ``100 + k`` (so a handle shows whose posts it moves)."""
-    return Write((PreppedPiece(np.array([k], dtype=np.int32), np.array([100 + k], dtype=np.int32)),), 1, 64, notif)
+    return Write((PreppedPiece(np.array([k], dtype=np.int32), np.array([100 + k], dtype=np.int32)),), 1, nbytes,
+                 notif)
 
 
 class Handles:
@@ -176,6 +177,22 @@ async def test_a_run_stops_at_the_bounds_a_manager_set_for_one_handle() -> None:
     await until(lambda: len(settled) == 18)
     assert all(e is None for _, e in settled)
     assert handles.srcs == [[1, 2, 3, 4], [5, 6, 7, 8], [9], [11, 12, 13, 14, 15], [16, 17, 18, 19]]
+    await plane.close()
+
+
+async def test_a_post_of_member_size_or_more_goes_alone_and_splits_the_runs_beside_it() -> None:
+    """A post this large copies long enough that its own handle costs little, and merged it would
+    wait for its neighbours' copies (a split write's shares, merged on each lane, made rooms started
+    together finish together)."""
+    _agent, plane, settled, handles = await copying()
+    plane.merge_limits = (10**12, 1000)
+    big, small = MERGE_MEMBER_MAX_BYTES, MERGE_MEMBER_MAX_BYTES - 1
+    posts = [(k, one(k, nbytes=small)) for k in range(1, 5)] + [(5, one(5, nbytes=big))]
+    posts += [(k, one(k, nbytes=big)) for k in range(6, 10)]
+    await queued_together(plane, posts)
+    await until(lambda: len(settled) == 9)
+    assert all(e is None for _, e in settled) and plane.merged == 4
+    assert handles.srcs == [[1, 2, 3, 4], [5], [6], [7], [8], [9]]
     await plane.close()
 
 
