@@ -101,7 +101,7 @@ async def measure(sizes: list[int], reps: int) -> list[dict[str, object]]:
                         one_runs.append(total / (time.perf_counter() - t) / 1e9)
                         # Two agents on two threads: with one request in flight, each request's pages
                         # split between them (as asynckv splits a large write over its two lanes).
-                        two = raw.write_parallel(sets) if k > 1 else sum(
+                        two = raw.write_parallel(sets) if k > 1 or n < 2 else sum(
                             raw.write_parallel([(sv[:n // 2], dv[:n // 2]), (sv[n // 2:], dv[n // 2:])])
                             for sv, dv in sets)
                         two_runs.append(total / two / 1e9)

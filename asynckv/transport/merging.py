@@ -8,8 +8,9 @@ engine's time (a traced run at 1,000 rooms in flight: a median of 950 posts wait
 engine, 13% of transfers taking over 1 ms of wall time for a 256 KiB copy of 62 us median).
 
 So the engine moves a run of consecutive queued posts to the same peer in one handle when each is
-one prepared piece (no explicit descriptors, no SGLang notification, not a warm-up), none is refused
-(cancelled, lease lapsed, peer gone) when the run is formed, and the run holds at least
+one prepared piece under ``MERGE_MEMBER_MAX_BYTES`` (no explicit descriptors, no SGLang
+notification, not a warm-up), none is refused (cancelled, lease lapsed, peer gone) when the run
+is formed, and the run holds at least
 ``MERGE_MIN_POSTS`` and at most ``MERGE_MAX_POSTS`` posts, bytes and descriptors (the bounds on one
 handle that the manager's config sets). A cancelled or refused post never joins a run, so it never
 starts. The merged post carries the originals as ``members`` and settles each: with the handle's
@@ -39,10 +40,10 @@ copy, about 8 ms at 4 GB/s. 1-page rooms of 64 buffers (2 MiB posts), 32 in flig
 pairs: 956 -> 1,105 requests/s (medians) against 8 MiB, where four such posts never merged. A
 manager lowers it to its ``Config.xfer_handle_bytes`` (the fence's bound on one handle)."""
 MERGE_MEMBER_MAX_BYTES = 4 << 20
-"""A post this large or larger never merges: it copies for a millisecond or more, next to which its own handle's
-cost is small, and merged it would wait for its neighbours' copies to settle. (Shares of a split
-write, 4 MiB and up, merged four to a handle on each lane made rooms started together finish
-together, and one slow lane held all of them.)"""
+"""A post this large or larger never merges: it copies for a millisecond or more, next to which
+its own handle's cost is small, and merged it would wait for its neighbours' copies to settle.
+(Shares of a split write, 4 MiB and up, merged four to a handle on each lane made rooms started
+together finish together, and one slow lane held all of them.)"""
 MERGE_MAX_DESCS = 16384
 """Descriptors a merged handle may hold (a manager sets its ``Config.max_descs_per_xfer``)."""
 
