@@ -91,9 +91,9 @@ async def measure(sizes: list[int], reps: int) -> list[dict[str, object]]:
                                 if layout == "scattered" else (np.arange(n) + i % k * n, np.arange(n) + i % k * n)
                                 for i in range(WINDOW_ROUNDS * k)]
                         jobs = [(next(pipelined_ids), sv, dv) for sv, dv in sets]
+                        total = len(sets) * size
                         t = time.perf_counter()
                         await bounded(jobs, k, lambda job: room(p, d, *job))
-                        total = len(sets) * size
                         kv_runs.append(total / (time.perf_counter() - t) / 1e9)
                         t = time.perf_counter()
                         for sv, dv in sets:

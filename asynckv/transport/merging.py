@@ -9,15 +9,15 @@ engine, 13% of transfers taking over 1 ms of wall time for a 256 KiB copy of 62 
 
 So the engine moves a run of consecutive queued posts to the same peer in one handle when each is
 one prepared piece under ``MERGE_MEMBER_MAX_BYTES`` (no explicit descriptors, no SGLang
-notification, not a warm-up), none is refused (cancelled, lease lapsed, peer gone) when the run
-is formed, and the run holds at least
-``MERGE_MIN_POSTS`` and at most ``MERGE_MAX_POSTS`` posts, bytes and descriptors (the bounds on one
-handle that the manager's config sets). A cancelled or refused post never joins a run, so it never
-starts. The merged post carries the originals as ``members`` and settles each: with the handle's
-outcome, or with a member's own first stop (a cancel that came while the handle was in flight, as a
-single post's would: its bytes may have landed, it settles as cancelled). A lane's share of a split
-write states its own pieces' descriptors (``lanes``), so merged shares keep the bounds too. A handle parked past
-a deadline or at close marks every member as settled with a handle in flight.
+notification, not a warm-up), none is refused (cancelled, lease lapsed, peer gone) when the run is
+formed, and the run holds at least ``MERGE_MIN_POSTS`` and at most ``MERGE_MAX_POSTS`` posts, bytes
+and descriptors (the bounds on one handle that the manager's config sets). A cancelled or refused
+post never joins a run, so it never starts. The merged post carries the originals as ``members`` and
+settles each: with the handle's outcome, or with a member's own first stop (a cancel that came while
+the handle was in flight, as a single post's would: its bytes may have landed, it settles as
+cancelled). A lane's share of a split write states its own pieces' descriptors (``lanes``), so
+merged shares keep the bounds too. A handle parked past a deadline or at close marks every member as
+settled with a handle in flight.
 """
 
 from __future__ import annotations
