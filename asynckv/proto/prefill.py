@@ -25,7 +25,7 @@ import logging
 from typing import Any
 
 from ..config import Config
-from ..errors import Aborted, BootstrapTimeout, ClosedError, InvalidArgument, LocalProtocolError
+from ..errors import Aborted, BootstrapTimeout, ClosedError, InvalidArgument, LocalProtocolError, PeerUnreachable
 from ..kernels import validate_pages
 from ..layout import KVArgs
 from .actions import CancelPosts, Closed, Finished, Send
@@ -111,13 +111,21 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         self.deadlines.arm(sender, now + self.config.bootstrap_timeout_s)
         early = self.early.pop(room)
         if early is not None:  # a failure notice of an earlier sender of this id is void now
+            ended = None
             for decode_id, dest in early.infos.items():  # only from the session they came in, if it lives on
                 if self.peers.get(decode_id) is dest.peer and dest.peer.phase is PeerPhase.CONNECTED:
                     self._on_destination(sender, dest.info, dest.peer, None, now)  # checked on arrival
+                else:  # that session ended since: the decode failed this request with it and needs nothing more
+                    self._answered(sender, decode_id, dest.epoch, dest.info.required_dst_info_num)
+                    ended = ended or dest.peer
             for abort in early.aborts.values():  # that decode needs nothing more from this sender
                 self._answered(sender, abort.decode_id, abort.epoch, abort.required)
             if early.aborts:
                 self.fail(sender, Aborted(f"aborted by decode: {next(iter(early.aborts.values())).reason}"), now)
+            elif ended is not None:  # (waiting for its bootstrap timeout, it then left a notice nobody would read)
+                self.fail(sender, PeerUnreachable(
+                    f"room {room}: the destination from decode {ended.name[:8]} came in a registration session that "
+                    f"ended before this sender opened ({ended.bye_reason or 'the session was dropped'})"), now)
         return sender
 
     def sender_init(self, room: SenderRoom, num_pages: Any, aux_index: Any, now: float) -> None:

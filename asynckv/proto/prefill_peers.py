@@ -121,9 +121,13 @@ class PeerRules(Core):
         current = self.peers.get(peer.name)
         if current is None or current.endpoint != peer.endpoint:
             self._emit(ForgetEndpoint(peer.endpoint))
-        blocked = self._blocked.pop(peer.name, None)
-        if blocked is not None and self.peers.get(peer.name) is blocked:
-            self._connect(blocked)
+        # The session waiting for this name connects once no older one of the name is still connecting
+        # (that one's late answer undoes the name in the data plane: connecting beside it wedged the pair).
+        blocked = self._blocked.get(peer.name)
+        if blocked is not None and not any(p.name == peer.name and p.connecting for p in self.retired):
+            del self._blocked[peer.name]
+            if self.peers.get(peer.name) is blocked:
+                self._connect(blocked)
         self._maybe_closed()
 
     def _connect(self, peer: DecodePeer) -> None:

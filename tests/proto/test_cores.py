@@ -270,3 +270,34 @@ def test_pings_of_an_unknown_session_get_a_goodbye_not_a_lease() -> None:
     c.run_ms(100)
     assert [m.session for _, m in c.sent(d, Bye)] == [99]
     assert not [m for _, m in c.sent(d, Pong) if m.session == 99]
+
+
+def test_13_a_session_waits_for_every_older_connect_of_its_name_not_just_the_first_to_drain() -> None:
+    """Found by the simulator (seed 19523 of 100,000): a decode registered twice more while the
+    prefill was stopped. Session 1 drains with a write in flight, session 2 is dropped while it
+    connects, session 3 waits for it. Session 1 draining let session 3 connect beside session 2;
+    session 2's connect answered last, and undoing it (by name) took the data plane's connection
+    from session 3: every later write to that decode failed, and the pair never recovered."""
+    c = Cluster()
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    [(_, reg)] = c.sent(d, Register)
+    slow_posts(c, 3.0)
+    r = c.receiver(d, 7, [1])
+    s = c.sender(p, 7)
+    c.run_ms(c.now_ms + 5)
+    c.send(p, s, [3])  # in flight for 3 ms
+    c.run_ms(c.now_ms + 1)
+    start = c.now_ms
+    c.w.mix = dataclasses.replace(c.w.mix, connect_ms=(20.0, 20.0))
+    c.w.drive(p, "receive", dataclasses.replace(reg, session=2))  # 1 drains (its write in flight); 2 connects
+    c.w.mix = dataclasses.replace(c.w.mix, connect_ms=(5.0, 5.0))
+    c.w.drive(p, "receive", dataclasses.replace(reg, session=3))  # 2 is dropped while connecting; 3 waits
+    c.run_ms(start + 40)
+    connects = [(ms, a.peer.session) for ms, a in c.actions(act.ConnectPeer, p) if ms >= start]
+    undone = [ms for ms, _ in c.actions(act.DisconnectPeer, p) if ms >= start]
+    assert connects == [(start, 2), (start + 20, 3)]  # 3 only once 2 answered ...
+    assert undone == [start, start + 20]  # ... and was undone (1 at once: it was not connecting)
+    peer = p.core.peers[d.name]
+    assert peer.session == 3 and peer.phase.name == "CONNECTED" and d.name in p.connected  # connected for real
+    assert r.state is ReceiverState.WAITING  # (the decode itself never re-registered: its rooms wait on)

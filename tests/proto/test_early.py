@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from asynckv.errors import Aborted
+from asynckv.errors import Aborted, PeerUnreachable
 from asynckv.proto.early import EarlyRoom, EarlyTable, info_bytes
 from asynckv.proto.messages import Abort, Status, TransferInfo
 from asynckv.proto.sender import DecodePeer, Destination
@@ -245,4 +245,30 @@ def test_a_reused_id_does_not_reach_the_old_sender_its_decode_aborted_before_any
     c.w.drive(p, "clear_sender", new)
     c.w.drive(d, "clear_receiver", b)
     assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())
+    c.check()
+
+
+def test_a_destination_whose_session_ended_before_its_sender_fails_that_sender_at_once_and_leaves_nothing() -> None:
+    """Found by the simulator (seed 19217 of 100,000): the destination waited for its sender, the
+    decode's session ended (a false death), then the sender opened. It dropped the destination
+    and waited for another until its bootstrap timeout, then left a failure notice for a decode
+    rank that had already failed the request with its session: nobody would read it, and it
+    stayed for its TTL (600 s)."""
+    c = Cluster()
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    r = c.receiver(d, 9, [1, 2])  # its destination reaches prefill before any sender: kept
+    c.run_ms(50)
+    assert p.core.room_counts()["early_rooms"] == 1
+    c.w.drive(p, "declare_dead", d.name, PeerUnreachable("unheard for 4.0s"))
+    c.run_ms(60)
+    assert r.state is ReceiverState.FAILED  # (the decode heard prefill's goodbye)
+    s = c.sender(p, 9)
+    assert s.state is SenderState.FAILED and c.finished_ms(s) == 60.0  # at once, not at the bootstrap timeout
+    assert "came in a registration session that ended before this sender opened" in s.reason
+    assert "declared dead: unheard for 4.0s" in s.reason
+    c.w.drive(p, "clear_sender", s)
+    c.w.drive(d, "clear_receiver", r)
+    c.run_ms(70)
+    assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())  # no notice left for its ttl
     c.check()
