@@ -55,8 +55,12 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                              f"({r['descriptors']} descs); prepped {r['prepped_indices_ms']:.1f} ms | Python "
                              f"{r['python_ms']:.0f} ms ({r['python_descriptors']} descs) | "
                              f"{r['speedup_coalesced']:.0f}x / {r['speedup_prepped']:.0f}x | |")
-        lines.append(f"| Q4 offload crossover | {kn['offload_crossover_rows_prepped']} rows (prepped), "
-                     f"{kn['offload_crossover_rows_descriptors']} (coalesced) | thread hop "
+        most = max((r["rows"] for r in kn.get("inline_vs_offload", [])), default=0)
+
+        def crossover(rows: int | None) -> str:  # (None: building inline stayed under the hop at every size)
+            return f"{rows} rows" if rows is not None else f"none up to {most} rows"
+        lines.append(f"| Q4 offload crossover | {crossover(kn['offload_crossover_rows_prepped'])} (prepped), "
+                     f"{crossover(kn['offload_crossover_rows_descriptors'])} (coalesced) | thread hop "
                      f"{kn['thread_hop_us']:.0f} us | | |")
     idle = _load(out, "idle")
     if idle:
