@@ -61,7 +61,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         self.retired: dict[DecodePeer, None] = {}
         """Dropped peers whose posts or connection are still settling; ordered."""
         self._blocked: dict[str, DecodePeer] = {}
-        """New sessions waiting for the previous session's connection to finish."""
+        """New sessions waiting until no older session of their decode is still connecting."""
         self.early = EarlyTable(config.max_early_infos, config.early_info_ttl_s, self.stats,
                                 max_bytes=config.max_early_bytes, max_ranks=config.max_peers)
         self._init_destinations()
