@@ -29,6 +29,15 @@ def test_seeded_schedules_hold_every_invariant(first: int) -> None:
     assert rooms > 10 * BATCH  # the schedules do real work
 
 
+@pytest.mark.parametrize("seed", [19217, 19523, 163736])
+def test_the_seeds_that_100000_schedule_runs_tripped_on_hold_every_invariant(seed: int) -> None:
+    """19217 (a sender opened after its waiting destination's session ended: a notice left for its TTL)
+    and 19523 (a session connected beside an older connect of its name: the pair wedged) were faults in
+    the cores; 163736 was the check's: a reused room's prefill sender had not opened when the workload
+    ended, so the decode's abort rightly waited for it in the early table."""
+    assert run_seed(seed).violations == []
+
+
 def test_a_schedule_replays_identically() -> None:
     a, b = run_seed(1234, trace=True), run_seed(1234, trace=True)
     assert a.trace == b.trace and a.steps == b.steps and len(a.trace) > 100

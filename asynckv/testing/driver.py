@@ -286,6 +286,12 @@ class Driver:
             self.collisions += 1
         self.start_room(self.world.now + self.rng.uniform(0, 0.02), room_id=spec.room_id, groups=groups)
 
+    def senders_unopened(self) -> int:
+        """Prefill senders that have not opened (waiting for pages, or for an old sender of their room
+        id to be cleared) and, once the workload ends, never will: their decode's destination or abort
+        waits in prefill's early table for that sender, by design, until the table's TTL."""
+        return sum(side.room is None and not side.gone for spec in self.rooms for side in spec.senders)
+
     def receiver_bound(self) -> float:
         c = self.world.config
         return c.waiting_timeout_s + c.fence_timeout_s + c.heartbeat_interval_s * c.heartbeat_max_failures + 0.5

@@ -81,7 +81,7 @@ def run_seed(seed: int, *, trace: bool = False, config: Config = SIM_CONFIG) -> 
             for side in spec.receivers:
                 if not isinstance(side.room, ReceiverRoom) or not side.room.terminal:
                     world.violation(f"I5: probe room {spec.room_id} to {side.node} did not finish")
-    if not process_faults and not world.mix.loss and not driver.collisions:
+    if not process_faults and not world.mix.loss and not driver.collisions and not driver.senders_unopened():
         # I4 before close: nothing of a cleared room outlives it (the early table included)
         driver.clear_all()
         world.run_until(world.now + world.config.fence_timeout_s + 4.0)
