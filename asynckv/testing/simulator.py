@@ -10,10 +10,9 @@ the faults; this module runs them and checks, after every step:
   after Failed or into a reused page is caught);
 - **I2** every room reaches Success or Failed within its bound of simulated time;
 - **I3** Success only when every byte of the room was written (a byte model of each page);
-- **I4** every table is empty once managers closed, and already once every room was cleared
-  (the early table included) in schedules without process faults, message loss, room ids
-  reused across pairs of groups, or a prefill sender that had not opened when the workload
-  ended (its decode's destination or abort then waits for it, by design, until the TTL);
+- **I4** every table is empty once managers closed, and already once every room was cleared (the
+  early table included) in schedules without process faults, message loss, room ids reused across
+  pairs of groups, or a prefill sender unopened at the end (its decode's messages wait for it);
 - **I5** a pair that is alive again after faults stop completes new rooms.
 
 The network keeps messages between two endpoints in order (as one ZMQ PUSH socket does);

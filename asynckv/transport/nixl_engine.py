@@ -276,9 +276,7 @@ class NixlEngine:
             except Exception:
                 log.debug("get_new_notifs failed", exc_info=True)
             self.posts_in_flight, self.rounds = len(members(self._in_flight)), self.rounds + 1
-            if done:  # (after the progress call, not before: handed over first, the loop woke while this thread
-                # was still in it, and its return then fought the loop for the GIL on the room's own path: 1-page
-                # rooms 0.67-0.73 -> 0.83-0.99 ms p50 in 3 interleaved pairs of runs, 2026-12-04)
+            if done:  # (after the progress call: handed over before it, 1-page rooms were slower, 0.7 -> 0.9 ms)
                 self._deliver(done)
             self._round = ([], [])  # (delivered: nothing of this round is left for the loop to settle)
             if stop:
