@@ -32,7 +32,7 @@ from .actions import CancelPosts, Closed, Finished, Send
 from .core import check_int, check_new_room
 from .early import EarlyTable
 from .messages import Abort, Bye, Ping, Pong, Register, Status, TransferInfo
-from .prefill_dest import DestinationRules
+from .prefill_dest import DestinationRules, ended_reason
 from .prefill_peers import PeerRules
 from .prefill_writes import WriteRules
 from .sender import DecodePeer, PeerPhase, SenderRoom
@@ -62,6 +62,8 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         """Dropped peers whose posts or connection are still settling; ordered."""
         self._blocked: dict[str, DecodePeer] = {}
         """New sessions waiting until no older session of their decode is still connecting."""
+        self.ended: collections.OrderedDict[str, DecodePeer] = collections.OrderedDict()
+        """The last connected session of each decode that ended and has none connected since."""
         self.early = EarlyTable(config.max_early_infos, config.early_info_ttl_s, self.stats,
                                 max_bytes=config.max_early_bytes, max_ranks=config.max_peers)
         self._init_destinations()
@@ -100,6 +102,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         self.early.clear()  # nobody will create a sender here any more
         for peer in list(self.peers.values()):
             self.drop_peer(peer, ClosedError("manager closed"), now, say_bye=True, farewell=True)
+        self.ended.clear()  # (no sender opens any more: what those sessions still send is dropped)
         self._maybe_closed()
 
     # -- sender API --------------------------------------------------------------------
@@ -123,9 +126,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
             if early.aborts:
                 self.fail(sender, Aborted(f"aborted by decode: {next(iter(early.aborts.values())).reason}"), now)
             elif ended is not None:  # (waiting for its bootstrap timeout, it then left a notice nobody would read)
-                self.fail(sender, PeerUnreachable(
-                    f"room {room}: the destination from decode {ended.name[:8]} came in a registration session that "
-                    f"ended before this sender opened ({ended.bye_reason or 'the session was dropped'})"), now)
+                self.fail(sender, PeerUnreachable(ended_reason(room, ended, "this sender opened")), now)
         return sender
 
     def sender_init(self, room: SenderRoom, num_pages: Any, aux_index: Any, now: float) -> None:

@@ -16,7 +16,9 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RemoteProtocolError
+import numpy as np
+
+from ..errors import PeerUnreachable, RemoteProtocolError
 from .actions import RoomReady
 from .core import Core
 from .destinations import (
@@ -33,7 +35,13 @@ from .messages import Message, TransferInfo
 from .sender import DecodePeer, Destination, PeerPhase, SenderRoom
 from .states import Event, SenderState
 
-__all__ = ["DestinationRules"]
+__all__ = ["DestinationRules", "ended_reason"]
+
+
+def ended_reason(room: int, ended: DecodePeer, when: str) -> str:
+    """Why a sender fails whose destination came in a registration session that ended."""
+    return (f"room {room}: the destination from decode {ended.name[:8]} came in a registration session that "
+            f"ended before {when} ({ended.bye_reason or 'the session was dropped'})")
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -52,6 +60,7 @@ class DestinationRules(Core):
         rooms: dict[int, SenderRoom]
         peers: dict[str, DecodePeer]
         early: EarlyTable
+        ended: collections.OrderedDict[str, DecodePeer]
 
         def fail(self, room: SenderRoom, error: BaseException, now: float) -> None: ...
 
@@ -93,8 +102,8 @@ class DestinationRules(Core):
         info, peer = check.info, check.peer
         if self.peers.get(peer.name) is peer and peer.phase is PeerPhase.CONNECTED:
             self._take_destination(info, peer, reason, now)
-        else:
-            self._drop("unknown_peer", f"room {info.room}: {info.decode_id[:8]} left during its check")
+        else:  # its session ended during the check
+            self._ended_destination(info, peer, now)
         held = self._held.pop(peer.name, collections.deque())
         while held:
             msg, nbytes = held.popleft()
@@ -124,7 +133,11 @@ class DestinationRules(Core):
             return
         peer = self.peers.get(info.decode_id)
         if peer is None or peer.phase is not PeerPhase.CONNECTED:
-            self._drop("unknown_peer", f"room {info.room} from unregistered {info.decode_id[:8]}")
+            ended = self.ended.get(info.decode_id)
+            if ended is None:
+                self._drop("unknown_peer", f"room {info.room} from unregistered {info.decode_id[:8]}")
+            else:
+                self._ended_destination(info, ended, now)
             return
         if not peer.first_time(info.room, info.epoch):
             self._drop("duplicate", f"room {info.room}#{info.epoch} destination again")
@@ -171,6 +184,35 @@ class DestinationRules(Core):
         refused = self.early.park(early, Destination(info, peer))
         if refused is not None:
             self._refuse(info, *refused)
+            self.early.discard_if_empty(info.room)
+
+    def _ended_destination(self, info: TransferInfo, ended: DecodePeer, now: float) -> None:
+        """A destination from a session of its decode that ended here before it arrived (it crossed the
+        goodbye, or the decode registered again behind it). A decode sends destinations only in a session
+        this rank answered, and messages of a pair arrive in order, so while no later session of that
+        decode is connected it cannot be a later one's. That decode failed the request with its session
+        and needs nothing more for it: the room's sender fails at once (now, or when it opens) rather
+        than at its bootstrap timeout, and no failure notice waits for that rank (with nobody to read it,
+        for the early table's TTL)."""
+        self.stats["ended_session_info"] += 1
+        if self.closing:
+            return
+        room = self.rooms.get(info.room)
+        if room is not None:
+            if info.decode_id not in room.destinations and not self._later_request(room, info.decode_id, info.epoch):
+                self._answered(room, info.decode_id, info.epoch, info.required_dst_info_num)
+                if room.state is SenderState.BOOTSTRAPPING:
+                    self.fail(room, PeerUnreachable(ended_reason(info.room, ended, "it arrived")), now)
+            return
+        early = self.early.get(info.room)
+        if early is not None and early.failed is not None:
+            self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num)
+            return
+        early = self.early.get_or_add(info.room, now)  # the sender fails when it opens (``open_sender``)
+        empty = np.empty(0, dtype=np.int32)  # (its pages are never used: not kept)
+        stub = dataclasses.replace(info, dst_pages=empty, dst_state_indices=empty)
+        if early is None or self.early.park(early, Destination(stub, ended)) is not None:
+            self._drop("early_full", f"room {info.room}: destination of an ended session not kept (early bounds)")
             self.early.discard_if_empty(info.room)
 
     def _refuse_over_budget(self, info: TransferInfo) -> None:

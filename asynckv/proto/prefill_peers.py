@@ -9,6 +9,7 @@ answered with ``Bye`` too, never with a ``Pong``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ class PeerRules(Core):
         rooms: dict[int, SenderRoom]
         draining: dict[SenderRoom, None]
         _blocked: dict[str, DecodePeer]
+        ended: collections.OrderedDict[str, DecodePeer]
 
         def fail(self, room: SenderRoom, error: BaseException, now: float) -> None: ...
 
@@ -65,6 +67,7 @@ class PeerRules(Core):
             return
         peer.phase = PeerPhase.CONNECTED
         peer.reg = dataclasses.replace(peer.reg, agent_metadata=b"")  # NIXL holds it now: not kept twice
+        self.ended.pop(peer.name, None)  # what this decode sends now belongs to this session
         self._watch(peer, now)  # (its write lease is set before decode can send a destination)
         self._emit(Send(peer.endpoint, RegisterResult(self.name, peer.name, peer.session, True, "")))
         self._emit(PeerUp(peer.name, now - peer.started))
@@ -92,6 +95,8 @@ class PeerRules(Core):
                   farewell: bool = False) -> None:
         if peer.phase is PeerPhase.DRAINING:
             return
+        if peer.phase is PeerPhase.CONNECTED:  # its destinations still on the way mean "nothing more needed"
+            self._remember_ended(peer)
         peer.phase, peer.say_bye = PeerPhase.DRAINING, say_bye
         peer.bye_reason = f"declared dead: {error}" if not farewell else str(error)
         if self.peers.get(peer.name) is peer:
@@ -110,6 +115,17 @@ class PeerRules(Core):
         if not peer.connecting:
             self._emit(DisconnectPeer(peer.name))
         self._peer_progress(peer)
+
+    def _remember_ended(self, peer: DecodePeer) -> None:
+        """Keep the last connected session of a decode that ended, until a later one connects (at most
+        ``max_peers`` names, oldest first out): a destination it sent before it heard of the end can
+        still arrive (``_ended_destination``). Its duplicate filter goes (only a CONNECTED session's
+        destinations are taken), so each record is a few hundred bytes."""
+        peer.seen.clear()
+        self.ended[peer.name] = peer
+        self.ended.move_to_end(peer.name)
+        while len(self.ended) > self.config.max_peers:
+            self.ended.popitem(last=False)
 
     def _peer_progress(self, peer: DecodePeer) -> None:
         """A dropped peer with nothing in flight: goodbye, then a waiting new session may connect."""

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from asynckv.config import Config
-from asynckv.errors import Aborted, RemoteProtocolError
+from asynckv.errors import Aborted, PeerUnreachable, RemoteProtocolError
 from asynckv.layout import KVArgs
 from asynckv.proto import actions as act
 from asynckv.proto.messages import (
@@ -319,4 +319,25 @@ def test_an_abort_right_after_its_destination_is_not_overtaken_by_the_check() ->
     c.send(p, s2, [7])
     c.run_ms(300)
     assert ok.state is ReceiverState.SUCCEEDED
+    c.check()
+
+
+def test_a_destination_whose_session_ends_during_its_off_loop_check_fails_its_sender_at_once() -> None:
+    """It was dropped as from an unknown peer: the sender waited for its bootstrap timeout (300 s)."""
+    c = Cluster(dataclasses.replace(DEFAULTS, offload_min_descs=1))
+    answer_checks_after(c, 5)
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    s = c.sender(p, 9)
+    r = c.receiver(d, 9, [1, 2])  # the destination reaches prefill at 41 ms, its check ends at 46 ms
+    c.run_ms(43)
+    c.w.drive(p, "declare_dead", d.name, PeerUnreachable("unheard for 4.0s"))
+    c.run_ms(100)
+    assert s.state is SenderState.FAILED and c.finished_ms(s) == 46.0
+    assert "registration session that ended before it arrived" in s.reason
+    assert r.state is ReceiverState.FAILED
+    c.w.drive(p, "clear_sender", s)
+    c.w.drive(d, "clear_receiver", r)
+    c.run_ms(110)
+    assert all(v == 0 for v in p.core.room_counts().values()), p.core.room_counts()
     c.check()

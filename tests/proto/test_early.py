@@ -12,8 +12,10 @@ import numpy as np
 from asynckv.errors import Aborted, PeerUnreachable
 from asynckv.proto.early import EarlyRoom, EarlyTable, info_bytes
 from asynckv.proto.messages import Abort, Status, TransferInfo
+from asynckv.proto.receiver import ReceiverRoom
 from asynckv.proto.sender import DecodePeer, Destination
 from asynckv.proto.states import ReceiverState, SenderState
+from asynckv.testing.simulator import SimNode
 
 from .harness import DEFAULTS, Cluster, register_pair
 
@@ -272,3 +274,108 @@ def test_a_destination_whose_session_ended_before_its_sender_fails_that_sender_a
     c.run_ms(70)
     assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())  # no notice left for its ttl
     c.check()
+
+
+def _ti_crosses_the_goodbye(c: Cluster, room: int, pages: list[int]) -> tuple[SimNode, ReceiverRoom]:
+    """A registered pair; the decode's destination for ``room`` leaves at 40 ms and takes 11 ms; at 45 ms
+    prefill declares that decode dead (a false death): its goodbye reaches decode at 46 ms, before the
+    destination reaches prefill at 51 ms."""
+    register_pair(c)
+    p, d = c.p[0], c.d[0]
+    c.hold(lambda node, ep, m: 0.010 if isinstance(m, TransferInfo) and m.room == room else 0.0)
+    r = c.receiver(d, room, pages)
+    c.run_ms(45)
+    c.w.drive(p, "declare_dead", d.name, PeerUnreachable("unheard for 4.0s"))
+    c.run_ms(47)
+    assert r.state is ReceiverState.FAILED  # (decode failed the request with its session)
+    return p, r
+
+
+def test_a_destination_that_crosses_the_goodbye_of_its_session_fails_the_waiting_sender_at_once() -> None:
+    """Found by an adversarial run: the destination arrived after its session ended and was dropped
+    as from an unknown peer, so the sender waited for its bootstrap timeout (300 s) and then left a
+    failure notice for a decode that had failed the request already, for the early table's TTL."""
+    c = Cluster()
+    s = c.sender(c.p[0], 9)
+    p, r = _ti_crosses_the_goodbye(c, 9, [1, 2])
+    c.run_ms(60)
+    assert s.state is SenderState.FAILED and c.finished_ms(s) == 51.0  # when it arrived
+    assert "came in a registration session that ended before it arrived" in s.reason
+    assert "declared dead: unheard for 4.0s" in s.reason
+    assert p.core.stats["ended_session_info"] == 1 and p.core.stats["dropped_unknown_peer"] == 0
+    c.w.drive(p, "clear_sender", s)
+    c.w.drive(c.d[0], "clear_receiver", r)
+    c.run_ms(70)
+    assert empty_tables(p, c.d[0]), (p.core.room_counts(), c.d[0].core.room_counts())  # no notice left
+    c.check()
+
+
+def test_a_destination_that_crosses_the_goodbye_fails_a_sender_opened_after_it_at_once() -> None:
+    c = Cluster()
+    p, r = _ti_crosses_the_goodbye(c, 9, [1, 2])
+    c.run_ms(60)
+    assert p.core.room_counts()["early_rooms"] == 1  # kept (without its pages) for the sender to come
+    s = c.sender(p, 9)
+    assert s.state is SenderState.FAILED and c.finished_ms(s) == 60.0
+    assert "came in a registration session that ended before this sender opened" in s.reason
+    c.w.drive(p, "clear_sender", s)
+    c.w.drive(c.d[0], "clear_receiver", r)
+    assert empty_tables(p, c.d[0]), (p.core.room_counts(), c.d[0].core.room_counts())
+    c.check()
+
+
+def test_a_destination_of_an_ended_session_does_not_touch_the_next_session_or_a_reused_room() -> None:
+    """After the crossing destination, the decode registers again (its next room) and reuses the room
+    id: the new destination replaces the ended one, and the transfer succeeds with every byte."""
+    c = Cluster()
+    p, r = _ti_crosses_the_goodbye(c, 9, [1, 2])
+    c.run_ms(60)
+    d = c.d[0]
+    c.w.drive(d, "clear_receiver", r)
+    c.hold(lambda node, ep, m: 0.0)
+    r2 = c.receiver(d, 9, [3, 4])  # a new session: Register, connect, then its destination
+    c.run_ms(100)
+    assert r2.state is ReceiverState.WAITING, r2.state  # its destination reached prefill
+    assert p.core.ended == {}  # (the decode's new session connected: nothing of the old one is consulted)
+    s = c.sender(p, 9, src=[7, 8])
+    assert s.state is SenderState.READY, (s.state, s.reason)  # with the new destination, not the ended one
+    c.send(p, s, [7, 8])
+    c.run_ms(120)
+    assert r2.state is ReceiverState.SUCCEEDED and s.state is SenderState.SUCCEEDED
+    c.w.drive(d, "clear_receiver", r2)
+    c.w.drive(p, "clear_sender", s)
+    assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())
+    c.check()
+
+
+def test_with_two_decode_ranks_a_destination_crossing_the_goodbye_fails_the_room_for_both_at_once() -> None:
+    c = Cluster(decode_tp=2)
+    register_pair(c)
+    p, (d0, d1) = c.p[0], c.d
+    s = c.sender(p, 9)
+    c.hold(lambda node, ep, m: 0.010 if isinstance(m, TransferInfo) and node is d0 else 0.0)
+    r0, r1 = c.receiver(d0, 9, [1, 2]), c.receiver(d1, 9, [1, 2])
+    c.run_ms(45)
+    c.w.drive(p, "declare_dead", d0.name, PeerUnreachable("unheard for 4.0s"))
+    c.run_ms(60)
+    assert s.state is SenderState.FAILED and c.finished_ms(s) == 51.0
+    assert r0.state is ReceiverState.FAILED and r1.state is ReceiverState.FAILED  # d1 told at once too
+    assert c.finished_ms(r1) == 52.0
+    for d, r in ((d0, r0), (d1, r1)):
+        c.w.drive(d, "clear_receiver", r)
+    c.w.drive(p, "clear_sender", s)
+    c.run_ms(70)
+    assert empty_tables(p, d0, d1), (p.core.room_counts(), d0.core.room_counts(), d1.core.room_counts())
+    c.check()
+
+
+def test_a_destination_from_a_decode_that_never_had_a_session_is_still_dropped_as_unknown() -> None:
+    c = Cluster()
+    register_pair(c)
+    p = c.p[0]
+    s = c.sender(p, 9)
+    stranger = TransferInfo(9, 1, "f" * 32, p.name, -1, 1, False, False, 0, np.arange(2, dtype=np.int32),
+                            np.empty(0, dtype=np.int32))
+    c.w.drive(p, "receive", stranger)
+    assert s.state is SenderState.BOOTSTRAPPING and p.core.stats["dropped_unknown_peer"] == 1
+    assert p.core.room_counts()["early_rooms"] == 0
