@@ -48,6 +48,13 @@ class PostCmd:
     members: tuple[PostCmd, ...] = ()
     """The posts this one moves in one handle (the engine merged them: ``merging``); it settles each, never itself."""
 
+    @property
+    def label(self) -> str:
+        """How error texts name it: ``post 7``, or a merged one by its members, ``posts 7..12 (4 merged)``."""
+        if not self.members:
+            return f"post {self.post_id}"
+        return f"posts {self.members[0].post_id}..{self.members[-1].post_id} ({len(self.members)} merged)"
+
 
 @dataclasses.dataclass(slots=True)
 class Call:

@@ -303,9 +303,9 @@ class NixlEngine:
         if reason is not None:
             return reason
         if post.peer not in self._remote:
-            return PeerUnreachable(f"post {post.post_id}: peer {post.peer[:8]} is not connected")
+            return PeerUnreachable(f"{post.label}: peer {post.peer[:8]} is not connected")
         if post.leased and now >= self._leases.get(post.peer, float("-inf")):
-            return TransferTimeout(f"post {post.post_id}: the write lease on the peer expired (unheard for too long)")
+            return TransferTimeout(f"{post.label}: the write lease on the peer expired (unheard for too long)")
         return None
 
     def _start(self, post: PostCmd, done: list[Any]) -> None:
@@ -329,12 +329,12 @@ class NixlEngine:
             try:
                 handle = self._handle(post.peer, piece)
             except BaseException as exc:
-                post.stop = map_nixl_error(exc, f"post {post.post_id}")
+                post.stop = map_nixl_error(exc, post.label)
                 return
             try:
                 state = agent.transfer(handle)
             except BaseException as exc:  # it failed: it holds nothing in UCX any more
-                post.stop = map_nixl_error(exc, f"post {post.post_id}")
+                post.stop = map_nixl_error(exc, post.label)
                 self._release(handle)
                 return
             if state == "DONE":  # CMA: the copy happened inside the call
@@ -375,7 +375,7 @@ class NixlEngine:
                     self._finish(post, post.stop, done)
                 elif now > post.deadline:
                     self._finish(post, TransferTimeout(
-                        f"post {post.post_id}: not done after {post.timeout_s:.1f}s (peer stopped?)"), done)
+                        f"{post.label}: not done after {post.timeout_s:.1f}s (peer stopped?)"), done)
                 else:
                     still.append(post)
             i = len(posts)
@@ -390,7 +390,7 @@ class NixlEngine:
             if self._agent.check_xfer_state(handle) != "DONE":
                 return True
         except BaseException as exc:
-            post.stop = post.stop or map_nixl_error(exc, f"post {post.post_id}")
+            post.stop = post.stop or map_nixl_error(exc, post.label)
         self._release(handle)
         return False
 
@@ -416,7 +416,7 @@ class NixlEngine:
                 self._agent.send_notif(post.peer, post.write.notif)
                 self._notified = True  # (UCX may leave it half sent: the next progress calls send the rest)
             except BaseException as exc:
-                error = map_nixl_error(exc, f"post {post.post_id}: notification")
+                error = map_nixl_error(exc, f"{post.label}: notification")
         self._cancelled.pop(post.post_id, None)
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
 

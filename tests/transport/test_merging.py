@@ -137,6 +137,7 @@ async def test_a_merged_handle_past_its_deadline_is_parked_once_and_flags_every_
     await queued_together(plane, [(k, one(k)) for k in range(1, 6)], timeout_s=0.2)
     await until(lambda: len(settled) == 5)
     assert all(isinstance(e, TransferTimeout) for _, e in settled)
+    assert all(str(e).startswith("posts 1..5 (5 merged): not done after 0.2s") for _, e in settled), settled
     assert len(plane._parked) == 1 and all(plane.take_in_flight(k) for k in range(1, 6))
     agent.finish = True
     await until(lambda: not plane._parked)
