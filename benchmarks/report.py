@@ -43,10 +43,18 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                            f"{r['prefill_steady_loop_lag_p99_ms']:.2f})")
             cpu = (f"; loop CPU per room: decode {r['decode_loop_cpu_ms_per_room']:.3f} ms, prefill "
                    f"{r['prefill_loop_cpu_ms_per_room']:.3f} ms" if "prefill_loop_cpu_ms_per_room" in r else "")
+            bare = (f"{r['of_bare_rooms_per_s']:.2f}x the bare pair's rooms/s, {r['cpu_per_room_x_bare']:.1f}x its "
+                    f"CPU per room" if "of_bare_rooms_per_s" in r else "")
             lines.append(f"| Q3 {r['inflight']} rooms in flight, {r['loop']}, {r.get('control_transport', 'zmq')} "
                          f"control | {r['rooms_per_s']:.0f} rooms/s, "
                          f"p50 {r['latency_p50_ms']:.0f} / p99 {r['latency_p99_ms']:.0f} ms{cpu} | loop lag p99: "
-                         f"decode {r['loop_lag_p99_ms']:.2f} ms{prefill} | | lag <= 5 ms, >= 5,000 rooms/s |")
+                         f"decode {r['loop_lag_p99_ms']:.2f} ms{prefill} | {bare} | lag <= 5 ms, >= 5,000 rooms/s |")
+        b = cc.get("bare_pair")
+        if b:
+            lines.append(f"| Q3 baseline: the bare pair (one message each way and one NIXL write per room, no "
+                         f"connector; before and after, averaged) | {b['rooms_per_s']:.0f} rooms/s; process CPU per "
+                         f"room {b['decode_process_cpu_ms_per_room']:.3f} decode / "
+                         f"{b['prefill_process_cpu_ms_per_room']:.3f} ms prefill | | | |")
     kn = _load(out, "kernels")
     if kn:
         for r in kn["rows"]:
