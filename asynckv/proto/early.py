@@ -7,8 +7,9 @@
   once instead of waiting for decode's timeout.
 
 Bounded three ways: by count of rooms and by age (``ttl_s``), oldest first, and when full,
-records without destinations make room first; per room, by the decode ranks a room can have
-(destinations: its ``required_dst_info_num``, which prefill checked against the sender's
+records without a usable destination (one from a session still connected) make room first;
+per room, by the decode ranks a room can have (destinations: its ``required_dst_info_num``,
+which prefill checked against the sender's
 registered geometry; aborts and answered ranks: ``max_ranks``); and by bytes over the whole
 table (``max_bytes``), which also covers destinations waiting for an off-loop check
 (``reserve``). What a bound refuses is the caller's to answer at once.
@@ -20,7 +21,7 @@ import collections
 import dataclasses
 
 from .messages import Abort, TransferInfo
-from .sender import Destination
+from .sender import Destination, PeerPhase
 
 __all__ = ["RECORD_BYTES", "EarlyRoom", "EarlyTable", "info_bytes"]
 
@@ -83,15 +84,17 @@ class EarlyTable:
         return early
 
     def get_or_add(self, room: int, now: float) -> EarlyRoom | None:
-        """The record of ``room``, made if needed. When the table is full the oldest record without
-        destinations goes (notices and aborts only make failures faster; a destination is needed
-        to transfer at all); None when every record holds destinations."""
+        """The record of ``room``, made if needed. When the table is full the oldest record without a
+        usable destination goes (notices, aborts and destinations from sessions that ended only make
+        failures faster; a live destination is needed to transfer at all); None when every record
+        holds one."""
         early = self._rooms.get(room)
         if early is not None:
             return early
         self.expire(now)
         if len(self._rooms) >= self.max_rooms:
-            victim = next((r for r, e in self._rooms.items() if not e.infos), None)
+            victim = next((r for r, e in self._rooms.items() if not any(
+                d.peer.phase is PeerPhase.CONNECTED for d in e.infos.values())), None)
             if victim is None:
                 return None
             self.pop(victim)

@@ -32,7 +32,7 @@ from .destinations import (
 )
 from .early import EarlyTable, info_bytes
 from .messages import Message, TransferInfo
-from .sender import DecodePeer, Destination, PeerPhase, SenderRoom
+from .sender import ENDED_SEEN, DecodePeer, Destination, PeerPhase, SenderRoom
 from .states import Event, SenderState
 
 __all__ = ["DestinationRules", "ended_reason"]
@@ -102,8 +102,8 @@ class DestinationRules(Core):
         info, peer = check.info, check.peer
         if self.peers.get(peer.name) is peer and peer.phase is PeerPhase.CONNECTED:
             self._take_destination(info, peer, reason, now)
-        else:  # its session ended during the check
-            self._ended_destination(info, peer, now)
+        else:  # its session ended during the check (which followed its duplicate filter and O(1) checks)
+            self._ended_destination(info, peer, now, checked=True)
         held = self._held.pop(peer.name, collections.deque())
         while held:
             msg, nbytes = held.popleft()
@@ -186,26 +186,35 @@ class DestinationRules(Core):
             self._refuse(info, *refused)
             self.early.discard_if_empty(info.room)
 
-    def _ended_destination(self, info: TransferInfo, ended: DecodePeer, now: float) -> None:
+    def _ended_destination(self, info: TransferInfo, ended: DecodePeer, now: float, checked: bool = False) -> None:
         """A destination from a session of its decode that ended here before it arrived (it crossed the
         goodbye, or the decode registered again behind it). A decode sends destinations only in a session
         this rank answered, and messages of a pair arrive in order, so while no later session of that
         decode is connected it cannot be a later one's. That decode failed the request with its session
         and needs nothing more for it: the room's sender fails at once (now, or when it opens) rather
         than at its bootstrap timeout, and no failure notice waits for that rank (with nobody to read it,
-        for the early table's TTL)."""
+        for the early table's TTL). Like a live one, it is acted on once, and one for a later request
+        reusing the room id waits for that request's sender; one that fails the O(1) checks is dropped
+        (its sender keeps its bootstrap timeout: a peer that lies gets no faster path)."""
+        if not checked and not ended.first_time(info.room, info.epoch, keep=ENDED_SEEN):
+            self._drop("duplicate", f"room {info.room}#{info.epoch} destination again (session ended)")
+            return
+        if not checked and precheck_destination(info, ended.limits) is not None:
+            self._drop("ended_invalid", f"room {info.room}: destination of an ended session fails its checks")
+            return
         self.stats["ended_session_info"] += 1
         if self.closing:
             return
         room = self.rooms.get(info.room)
-        if room is not None:
-            if info.decode_id not in room.destinations and not self._later_request(room, info.decode_id, info.epoch):
+        if room is not None and not self._later_request(room, info.decode_id, info.epoch):
+            if info.decode_id not in room.destinations:
                 self._answered(room, info.decode_id, info.epoch, info.required_dst_info_num)
                 if room.state is SenderState.BOOTSTRAPPING:
                     self.fail(room, PeerUnreachable(ended_reason(info.room, ended, "it arrived")), now)
             return
         early = self.early.get(info.room)
-        if early is not None and early.failed is not None:
+        if room is None and early is not None and early.failed is not None \
+                and early.answered.get(info.decode_id, info.epoch) == info.epoch:
             self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num)
             return
         early = self.early.get_or_add(info.room, now)  # the sender fails when it opens (``open_sender``)

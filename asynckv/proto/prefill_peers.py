@@ -19,7 +19,7 @@ from .actions import ConnectPeer, DisconnectPeer, ForgetEndpoint, PeerDown, Peer
 from .core import Core
 from .endpoints import is_endpoint
 from .messages import Bye, Ping, Pong, Register, RegisterResult
-from .sender import DecodePeer, PeerPhase, SenderRoom
+from .sender import ENDED_SEEN, DecodePeer, PeerPhase, SenderRoom
 from .topology import PeerPlan, plan_peer
 
 __all__ = ["PeerRules"]
@@ -119,9 +119,11 @@ class PeerRules(Core):
     def _remember_ended(self, peer: DecodePeer) -> None:
         """Keep the last connected session of a decode that ended, until a later one connects (at most
         ``max_peers`` names, oldest first out): a destination it sent before it heard of the end can
-        still arrive (``_ended_destination``). Its duplicate filter goes (only a CONNECTED session's
-        destinations are taken), so each record is a few hundred bytes."""
-        peer.seen.clear()
+        still arrive (``_ended_destination``). It keeps its registration and the last ``ENDED_SEEN`` of its
+        duplicate filter (a copy of a destination taken before the end must not wait for a later sender of
+        the room id), so each record is bounded whatever the session sent."""
+        for _ in range(len(peer.seen) - ENDED_SEEN):
+            peer.seen.popitem(last=False)
         self.ended[peer.name] = peer
         self.ended.move_to_end(peer.name)
         while len(self.ended) > self.config.max_peers:

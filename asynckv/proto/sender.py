@@ -15,9 +15,11 @@ from .registration import registered_slots
 from .states import SENDER_POLL, SENDER_TRANSITIONS, Event, KVPoll, Outcome, SenderState, transition
 from .topology import PeerPlan
 
-__all__ = ["SEEN_DESTINATIONS", "DecodePeer", "Destination", "PeerPhase", "SenderRoom"]
+__all__ = ["ENDED_SEEN", "SEEN_DESTINATIONS", "DecodePeer", "Destination", "PeerPhase", "SenderRoom"]
 
 SEEN_DESTINATIONS = 4096
+ENDED_SEEN = 256
+"""What a session that ended keeps of its duplicate filter (its latest, those still on the way when it ended)."""
 
 
 class PeerPhase(enum.Enum):
@@ -56,12 +58,13 @@ class DecodePeer:
     """(room, epoch) of the destinations this session sent, the last ``SEEN_DESTINATIONS``: each is acted
     on once, so a duplicated one can never reach a later sender of a reused room id."""
 
-    def first_time(self, room: int, epoch: int) -> bool:
+    def first_time(self, room: int, epoch: int, keep: int = SEEN_DESTINATIONS) -> bool:
+        """Whether ``(room, epoch)`` is new from this session; remembered, with the last ``keep`` at most."""
         key = (room, epoch)
         if key in self.seen:
             return False
         self.seen[key] = None
-        if len(self.seen) > SEEN_DESTINATIONS:
+        while len(self.seen) > keep:
             self.seen.popitem(last=False)
         return True
 

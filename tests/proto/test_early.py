@@ -13,7 +13,7 @@ from asynckv.errors import Aborted, PeerUnreachable
 from asynckv.proto.early import EarlyRoom, EarlyTable, info_bytes
 from asynckv.proto.messages import Abort, Status, TransferInfo
 from asynckv.proto.receiver import ReceiverRoom
-from asynckv.proto.sender import DecodePeer, Destination
+from asynckv.proto.sender import DecodePeer, Destination, PeerPhase
 from asynckv.proto.states import ReceiverState, SenderState
 from asynckv.testing.simulator import SimNode
 
@@ -125,7 +125,8 @@ def destination(room: int, peer: DecodePeer) -> Destination:
 def test_a_full_table_gives_up_notices_and_aborts_before_destinations() -> None:
     stats: collections.Counter[str] = collections.Counter()
     table = EarlyTable(max_rooms=3, ttl_s=60, stats=stats)
-    peer = object.__new__(DecodePeer)
+    peer, ended = object.__new__(DecodePeer), object.__new__(DecodePeer)
+    peer.phase, ended.phase = PeerPhase.CONNECTED, PeerPhase.DRAINING
 
     def add(room: int, now: float) -> EarlyRoom:
         early = table.get_or_add(room, now)
@@ -143,6 +144,12 @@ def test_a_full_table_gives_up_notices_and_aborts_before_destinations() -> None:
     assert table.nbytes == 3 * info_bytes(destination(2, peer).info)  # what is kept is charged, and no more
     table.expire(61)
     assert len(table) == 0 and stats["early_expired"] == 3 and table.nbytes == 0
+    # A destination whose session ended only makes its sender fail sooner, as a notice does: it goes first.
+    assert table.park(add(7, 62), destination(7, peer)) is None
+    assert table.park(add(8, 62), destination(8, ended)) is None
+    assert table.park(add(9, 62), destination(9, peer)) is None
+    assert table.park(add(10, 63), destination(10, peer)) is None  # room 8 goes, not the older room 7
+    assert table.get(8) is None and table.get(7) is not None and stats["early_evicted"] == 3
 
 
 def test_a_room_parks_as_many_destinations_as_its_decode_ranks_and_the_table_bounds_their_bytes() -> None:
