@@ -167,6 +167,19 @@ class EarlyTable:
         early.failed, early.answered, early.required = failed, answered, required
         return True
 
+    def drop_notice(self, room: int) -> None:
+        """The notice of ``room`` is spent (every decode rank was answered). Destinations and aborts
+        that wait in the same record are for a later request reusing the room id: they stay."""
+        early = self._rooms.get(room)
+        if early is None:
+            return
+        if not early.infos and not early.aborts:
+            self.pop(room)
+            return
+        spent = sum(len(d) + RECORD_BYTES for d in early.answered)
+        self._charge(early, -(spent + (0 if early.failed is None else len(early.failed) + RECORD_BYTES)))
+        early.failed, early.answered, early.required = None, {}, None
+
     def reserve(self, nbytes: int) -> bool:
         """Charge bytes that wait outside any room (a destination being checked off the loop)."""
         if not self._fits(nbytes):

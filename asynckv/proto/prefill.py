@@ -30,7 +30,7 @@ from ..kernels import validate_pages
 from ..layout import KVArgs
 from .actions import CancelPosts, Closed, Finished, Send
 from .core import check_int, check_new_room
-from .early import EarlyTable
+from .early import EarlyRoom, EarlyTable
 from .messages import Abort, Bye, Ping, Pong, Register, Status, TransferInfo
 from .prefill_dest import DestinationRules, ended_reason
 from .prefill_peers import PeerRules
@@ -114,6 +114,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         self.deadlines.arm(sender, now + self.config.bootstrap_timeout_s)
         early = self.early.pop(room)
         if early is not None:  # a failure notice of an earlier sender of this id is void now
+            self._keep_later(room, early, now)
             ended = None
             for decode_id, dest in early.infos.items():  # only from the session they came in, if it lives on
                 if self.peers.get(decode_id) is dest.peer and dest.peer.phase is PeerPhase.CONNECTED:
@@ -128,6 +129,24 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
             elif ended is not None:  # (waiting for its bootstrap timeout, it then left a notice nobody would read)
                 self.fail(sender, PeerUnreachable(ended_reason(room, ended, "this sender opened")), now)
         return sender
+
+    def _keep_later(self, room: int, early: EarlyRoom, now: float) -> None:
+        """Of a decode's abort and destination waiting for the same room id, the later incarnation (epochs
+        grow) is for a later request reusing the id: it leaves ``early`` and waits for the next sender."""
+        infos = {d: dest for d, dest in early.infos.items() if d in early.aborts and early.aborts[d].epoch < dest.epoch}
+        aborts = {d: a for d, a in early.aborts.items() if d in early.infos and early.infos[d].epoch < a.epoch}
+        if not infos and not aborts:
+            return
+        rest = self.early.get_or_add(room, now)
+        for decode_id, dest in infos.items():
+            del early.infos[decode_id]
+            if rest is None or self.early.park(rest, dest) is not None:
+                self._drop("early_full", f"room {room}: destination of a later request not kept (early bounds)")
+        for decode_id, abort in aborts.items():
+            del early.aborts[decode_id]
+            if rest is None or not self.early.keep_abort(rest, abort):
+                self._drop("early_abort", f"room {room}: abort of a later request not kept (early bounds)")
+        self.early.discard_if_empty(room)
 
     def sender_init(self, room: SenderRoom, num_pages: Any, aux_index: Any, now: float) -> None:
         """How many pages the room sends in total, and which aux row carries its metadata (-1: none)."""
@@ -290,7 +309,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
             return
         early.required = early.required or required
         if len(early.answered) >= early.required:
-            self.early.pop(room)
+            self.early.drop_notice(room)  # (what else waits there is for a later request reusing the id)
 
     def _retire(self, room: SenderRoom, now: float) -> None:
         """A cleared room with nothing in flight; leave a failure notice for destinations still to come."""

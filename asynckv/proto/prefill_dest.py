@@ -223,6 +223,7 @@ class DestinationRules(Core):
         if early is None or self.early.park(early, Destination(stub, ended)) is not None:
             self._drop("early_full", f"room {info.room}: destination of an ended session not kept (early bounds)")
             self.early.discard_if_empty(info.room)
+            ended.seen.pop((info.room, info.epoch), None)  # (nobody was told: a copy may still act)
 
     def _refuse_over_budget(self, info: TransferInfo) -> None:
         self._refuse(info, "early_bytes", f"room {info.room}: prefill rank holds {self.early.max_bytes} bytes of "

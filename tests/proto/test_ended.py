@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from asynckv.errors import Aborted, PeerUnreachable
-from asynckv.proto.messages import TransferInfo
+from asynckv.proto.messages import Abort, TransferInfo
 from asynckv.proto.states import ReceiverState, SenderState
 
 from .harness import DEFAULTS, Cluster, register_pair
@@ -150,3 +150,78 @@ def test_an_ended_destination_that_fails_the_checks_is_dropped_and_its_sender_ke
     assert rank.core.stats["ended_session_info"] == 0
     rank.core.clear_sender(s, rank.now)
     rank.run()
+
+
+def test_a_copy_of_an_ended_destination_the_full_table_refused_still_acts_once_there_is_room() -> None:
+    rank = Rank(dataclasses.replace(DEFAULTS, max_early_infos=1))
+    assert rank.register("X").ok and rank.register("Y").ok
+    rank.feed(info(1, "Y", [1]))  # a live destination takes the one slot
+    kill(rank, "X")
+    rank.feed(info(2, "X", [1]))  # refused, and nobody can be told: its copy must still count
+    assert rank.core.stats["dropped_early_full"] == 1 and rank.core.room_counts()["early_rooms"] == 1
+    rank.core.open_sender(1, rank.now)  # frees the slot
+    rank.run()
+    rank.feed(info(2, "X", [1]))
+    s = rank.core.open_sender(2, rank.now)
+    rank.run()
+    assert s.state is SenderState.FAILED and "ended before this sender opened" in s.reason
+
+
+def test_a_later_request_parked_on_a_notice_outlives_the_notice_when_the_last_rank_is_answered() -> None:
+    c = Cluster(decode_tp=2)
+    register_pair(c)
+    p, (d0, d1) = c.p[0], c.d
+    s = c.sender(p, 9)
+    r0 = c.receiver(d0, 9, [1])
+    c.run_ms(45)
+    c.w.drive(p, "abort_sender", s, Aborted("prefill gave up"))
+    c.w.drive(p, "clear_sender", s)  # a notice: rank 0 answered, rank 1 not yet
+    c.run_ms(50)
+    assert r0.state is ReceiverState.FAILED and p.core.room_counts()["early_rooms"] == 1
+    c.w.drive(d0, "clear_receiver", r0)
+    r0b = c.receiver(d0, 9, [2])  # rank 0's next request on room 9 parks on the notice's record
+    c.run_ms(55)
+    r1 = c.receiver(d1, 9, [1])  # rank 1's destination of the old request: answered, the notice is spent
+    c.run_ms(60)
+    assert r1.state is ReceiverState.FAILED and p.core.room_counts()["early_rooms"] == 1
+    c.w.drive(d1, "clear_receiver", r1)
+    r1b = c.receiver(d1, 9, [2])
+    c.run_ms(70)
+    s2 = c.sender(p, 9)
+    assert s2.state is SenderState.READY  # both ranks' later destinations were kept
+    c.send(p, s2, [5])
+    c.run_ms(120)
+    assert s2.state is SenderState.SUCCEEDED, (s2.state, s2.reason)
+    assert r0b.state is ReceiverState.SUCCEEDED and r1b.state is ReceiverState.SUCCEEDED
+    for node, room in ((d0, r0b), (d1, r1b)):
+        c.w.drive(node, "clear_receiver", room)
+    c.w.drive(p, "clear_sender", s2)
+    c.run_ms(130)
+    assert all(v == 0 for v in p.core.room_counts().values()), p.core.room_counts()
+    c.check()
+
+
+def test_an_abort_and_a_later_requests_destination_on_one_record_go_to_two_senders_in_order() -> None:
+    for live in (True, False):
+        rank = Rank()
+        assert rank.register("X").ok
+        rank.feed(Abort(9, 1, "X", False, 1, "cancelled"))  # request 1 aborted before its sender
+        if not live:
+            kill(rank, "X")  # and request 2's destination crosses the goodbye
+        rank.feed(info(9, "X", [3, 4], epoch=2))
+        first = rank.core.open_sender(9, rank.now)
+        rank.run()
+        assert first.state is SenderState.FAILED and first.reason == "aborted by decode: cancelled"
+        assert not [m for m in rank.statuses(9) if m.epoch == 2], "request 2 was told of request 1's abort"
+        rank.core.clear_sender(first, rank.now)
+        rank.run()
+        second = rank.core.open_sender(9, rank.now)
+        rank.run()
+        if live:
+            assert second.state is SenderState.READY and list(second.destinations["X"].info.dst_pages) == [3, 4]
+        else:
+            assert second.state is SenderState.FAILED and "ended before this sender opened" in second.reason
+        rank.core.abort_sender(second, Aborted("done"), rank.now)
+        rank.core.clear_sender(second, rank.now)
+        rank.run()
+        assert empty(rank), rank.core.room_counts()
