@@ -247,7 +247,8 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
                 if not msg.destination_sent:
                     self.fail(current, Aborted(reason), now)
                 self._answered(current, msg.decode_id, msg.epoch, msg.required)
-        elif early is not None and early.failed is not None and current is None:
+        elif early is not None and early.failed is not None and current is None \
+                and early.answered.get(msg.decode_id, msg.epoch) == msg.epoch:  # (else: for a later request)
             self._notice_answered(msg.room, msg.decode_id, msg.epoch, msg.required)
         elif not msg.destination_sent:  # a sender created later fails at once instead of at its timeout
             early = self.early.get_or_add(msg.room, now)

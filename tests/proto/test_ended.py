@@ -225,3 +225,17 @@ def test_an_abort_and_a_later_requests_destination_on_one_record_go_to_two_sende
         rank.core.clear_sender(second, rank.now)
         rank.run()
         assert empty(rank), rank.core.room_counts()
+
+
+def test_an_abort_of_a_later_request_on_a_room_id_with_a_notice_fails_that_requests_sender_at_once() -> None:
+    rank = Rank()
+    assert rank.register("X0", tp=2).ok and rank.register("X1", tp=2).ok
+    old = rank.core.open_sender(9, rank.now)
+    rank.feed(info(9, "X0", [1], required=2))
+    rank.core.abort_sender(old, Aborted("prefill gave up"), rank.now)
+    rank.core.clear_sender(old, rank.now)  # a notice: X0 answered for request 1, X1 not yet
+    rank.run()
+    rank.feed(Abort(9, 2, "X0", False, 2, "client went away"))  # X0's request 2 on room 9, aborted early
+    new = rank.core.open_sender(9, rank.now)
+    rank.run()
+    assert new.state is SenderState.FAILED and new.reason == "aborted by decode: client went away"
