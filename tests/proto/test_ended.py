@@ -10,6 +10,7 @@ import dataclasses
 from asynckv.errors import Aborted, PeerUnreachable
 from asynckv.proto.messages import Abort, TransferInfo
 from asynckv.proto.states import ReceiverState, SenderState
+from asynckv.testing.simulator import SimNode
 
 from .harness import DEFAULTS, Cluster, register_pair
 from .test_bounds import Rank, info, register
@@ -24,6 +25,23 @@ def kill(rank: Rank, name: str) -> None:
 
 def empty(rank: Rank) -> bool:
     return all(v == 0 for v in rank.core.room_counts().values())
+
+
+def notice_waiting_for_rank_1() -> tuple[Cluster, SimNode, SimNode, SimNode]:
+    """Decode TP 2, room 9: the sender failed and was cleared once rank 0's destination (now cleared
+    on decode) arrived, so a failure notice waits for rank 1's. Returns (cluster, prefill, rank 0, rank 1)."""
+    c = Cluster(decode_tp=2)
+    register_pair(c)
+    p, (d0, d1) = c.p[0], c.d
+    s = c.sender(p, 9)
+    r0 = c.receiver(d0, 9, [1])
+    c.run_ms(45)
+    c.w.drive(p, "abort_sender", s, Aborted("prefill gave up"))
+    c.w.drive(p, "clear_sender", s)
+    c.run_ms(50)
+    assert r0.state is ReceiverState.FAILED and p.core.room_counts()["early_rooms"] == 1
+    c.w.drive(d0, "clear_receiver", r0)
+    return c, p, d0, d1
 
 
 def test_a_copy_of_an_ended_destination_acts_once_and_never_fails_the_next_sessions_reused_room() -> None:
@@ -107,17 +125,7 @@ def test_end_to_end_the_next_request_on_a_room_id_whose_destination_crossed_the_
 
 
 def test_a_later_request_crossing_the_goodbye_while_a_notice_waits_is_kept_for_the_next_sender() -> None:
-    c = Cluster(decode_tp=2)
-    register_pair(c)
-    p, d0 = c.p[0], c.d[0]
-    s = c.sender(p, 9)
-    r0 = c.receiver(d0, 9, [1])
-    c.run_ms(45)
-    c.w.drive(p, "abort_sender", s, Aborted("prefill gave up"))
-    c.w.drive(p, "clear_sender", s)  # a notice: rank 0 answered for its request, rank 1 not yet
-    c.run_ms(50)
-    assert r0.state is ReceiverState.FAILED and p.core.room_counts()["early_rooms"] == 1
-    c.w.drive(d0, "clear_receiver", r0)
+    c, p, d0, _ = notice_waiting_for_rank_1()
     c.hold(lambda node, ep, m: 0.010 if isinstance(m, TransferInfo) else 0.0)
     r0b = c.receiver(d0, 9, [2])  # rank 0's next request on room 9: reaches prefill at 61 ms
     c.run_ms(55)
@@ -168,17 +176,7 @@ def test_a_copy_of_an_ended_destination_the_full_table_refused_still_acts_once_t
 
 
 def test_a_later_request_parked_on_a_notice_outlives_the_notice_when_the_last_rank_is_answered() -> None:
-    c = Cluster(decode_tp=2)
-    register_pair(c)
-    p, (d0, d1) = c.p[0], c.d
-    s = c.sender(p, 9)
-    r0 = c.receiver(d0, 9, [1])
-    c.run_ms(45)
-    c.w.drive(p, "abort_sender", s, Aborted("prefill gave up"))
-    c.w.drive(p, "clear_sender", s)  # a notice: rank 0 answered, rank 1 not yet
-    c.run_ms(50)
-    assert r0.state is ReceiverState.FAILED and p.core.room_counts()["early_rooms"] == 1
-    c.w.drive(d0, "clear_receiver", r0)
+    c, p, d0, d1 = notice_waiting_for_rank_1()
     r0b = c.receiver(d0, 9, [2])  # rank 0's next request on room 9 parks on the notice's record
     c.run_ms(55)
     r1 = c.receiver(d1, 9, [1])  # rank 1's destination of the old request: answered, the notice is spent
