@@ -9,10 +9,10 @@
 Bounded three ways: by count of rooms and by age (``ttl_s``), oldest first, and when full,
 records without a usable destination (one from a session still connected) make room first;
 per room, by the decode ranks a room can have (destinations: its ``required_dst_info_num``,
-which prefill checked against the sender's
-registered geometry; aborts and answered ranks: ``max_ranks``); and by bytes over the whole
-table (``max_bytes``), which also covers destinations waiting for an off-loop check
-(``reserve``). What a bound refuses is the caller's to answer at once.
+which prefill checked against the sender's registered geometry; aborts and answered ranks:
+``max_ranks``); and by bytes over the whole table (``max_bytes``), which also covers
+destinations waiting for an off-loop check (``reserve``). What a bound refuses is the
+caller's to answer at once.
 """
 
 from __future__ import annotations
