@@ -1,4 +1,4 @@
-"""Where a small room's time goes: the timeline of a 1-page room, stage by stage.
+"""Where a room's time goes: the timeline of a 1-page room (or ``--pages N``), stage by stage.
 
 Both managers in one process, as in Q2 (``bench_small``); one room at a time. Each stage is a
 timestamp taken where the code passes a named point (a wrapper around the method, installed for
@@ -8,6 +8,12 @@ stage, so the total is a little above Q2's. This is a diagnostic, not a speed cl
 which hand-off (control message, engine thread, loop wake-up) a change should aim at. The
 control stages are those of the ZMQ channel (``control_transport="zmq"``), which this trace was
 written for; the stream channel's cost per message is in ``bench_control.py``.
+
+A large room is split over the write lanes: "took the post" and "transfer() returned" are the
+first lane's, "the last lane" stages the last one's. ``--interleave`` puts between rooms what
+Q1 (``bench_throughput``) puts there, a raw NIXL write of the same pages and a fill of the
+source pages, and times that raw write as the same-run baseline: Q1's one-request ratio at
+16 MiB depends on the memory state this leaves.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from asynckv import KVPoll
 from asynckv.proto.messages import Status, TransferInfo
 from asynckv.service import manager as manager_mod
 from asynckv.service.writes import WriteBuilder
+from asynckv.testing import fill_pages, verify_pages
 from asynckv.transport import control as control_mod
 from asynckv.transport.nixl import NixlDataPlane
 from asynckv.transport.nixl_engine import NixlEngine
 
 from ._common import write_result
-from ._pairs import pair
+from ._pairs import RawNixl, pair
 
 ITEM = 32 * 1024
 
@@ -47,7 +54,9 @@ STAGES = [
     ("post", "prefill: descriptors built, posted to a lane"),
     ("engine", "engine thread: took the post"),
     ("copied", "engine thread: transfer() returned (bytes copied)"),
+    ("copied_last", "engine threads: the last lane's transfer() returned"),
     ("settled", "prefill loop: settle taken from the engine"),
+    ("settled_last", "prefill loop: the last lane's settle taken"),
     ("st_send", "prefill: Status given to the control channel"),
     ("st_zmq", "prefill: Status handed to ZMQ"),
     ("st_readable", "decode: control socket readable (loop woke)"),
@@ -67,6 +76,9 @@ class _Trace:
 
     def mark(self, stage: str) -> None:
         self.marks.setdefault(stage, time.perf_counter())
+
+    def mark_last(self, stage: str) -> None:
+        self.marks[stage] = time.perf_counter()
 
     def wrap(self, owner: Any, name: str, before: Callable[..., str | None] | None = None,
              after: Callable[..., str | None] | None = None) -> None:
@@ -111,44 +123,66 @@ class _Trace:
                   after=by_mgr("ti_handled", "st_handled"))
         self.wrap(WriteBuilder, "build", before=lambda *_: "build")
         self.wrap(NixlDataPlane, "post", before=lambda *_: "post")
-        self.wrap(NixlEngine, "_start", before=lambda *_: "engine", after=lambda *_: "copied")
-        self.wrap(NixlDataPlane, "_on_loop", before=lambda *_: "settled")
+        self.wrap(NixlEngine, "_start", before=lambda *_: "engine", after=self._last("copied"))
+        self.wrap(NixlDataPlane, "_on_loop", before=self._last("settled"))
+
+    def _last(self, stage: str) -> Callable[..., None]:
+        """Marks ``stage`` the first time and ``stage_last`` every time (first, so never before it)."""
+        def both(*_: Any) -> None:
+            self.mark(stage)
+            self.mark_last(f"{stage}_last")
+        return both
 
     def uninstall(self) -> None:
         while self._undo:
             self._undo.pop()()
 
 
-async def measure(rooms: int) -> tuple[list[dict[str, object]], float]:
+async def measure(rooms: int, pages: int = 1, interleave: bool = False,
+                  lanes: int | None = None) -> tuple[list[dict[str, object]], float, float | None]:
     trace = _Trace()
     trace.install()  # (before the managers start: some hooks are bound then)
     timelines: list[dict[str, float]] = []
+    raw_s: list[float] = []
     try:
-        async with pair(2, 64, ITEM, control_transport="zmq") as (p, d):
+        lane_cfg = {} if lanes is None else {"write_lanes": lanes}
+        async with pair(2, max(64, 2 * pages), ITEM, control_transport="zmq", **lane_cfg) as (p, d):
             trace.roles.update({id(p._control): "prefill", id(d._control): "decode"})
-            src, dst = np.arange(1), np.arange(1) + 20
+            src, dst = np.arange(pages), np.arange(pages) + max(20, pages)
+            ppool, dpool = p._bench_pools  # type: ignore[attr-defined]
+            raw = RawNixl(ppool, dpool) if interleave else None
             for i in range(rooms + 20):  # (the first 20 warm up)
+                if raw is not None:
+                    raw_s.append(raw.write(src, dst))
+                    fill_pages(ppool, 1 + i, src)
                 trace.marks = {}
                 trace.mark("start")
                 receiver = d.receiver(p.bootstrap_addr or "", 1 + i)
                 await receiver.init(dst)
                 sender = p.sender(1 + i)
                 await sender.wait_ready()
-                sender.init(1)
+                sender.init(pages)
                 await sender.send(src)
                 result = await receiver.wait()
                 trace.mark("end")
                 if result != KVPoll.Success or await sender.wait() != KVPoll.Success:
                     raise RuntimeError(f"room {1 + i} failed: {receiver.failure_reason}")
+                if raw is not None and verify_pages(dpool, 1 + i, dst):
+                    raise RuntimeError(f"room {1 + i}: wrong bytes landed")
                 sender.clear()
                 receiver.clear()
                 if i >= 20:
                     timelines.append(dict(trace.marks))
+            if raw is not None:
+                raw.close()
     finally:
         trace.uninstall()
     rows: list[dict[str, object]] = []
     previous = "start"
-    for stage, label in STAGES:
+    passed = [(stage, label) for stage, label in STAGES if any(stage in t for t in timelines)]
+    # (in the order the stages were passed: a large room's first settle can come before its last copy)
+    passed.sort(key=lambda sl: np.median([t[sl[0]] - t["start"] for t in timelines if sl[0] in t]))
+    for stage, label in passed:
         seen = [t for t in timelines if stage in t and previous in t]
         if not seen:
             continue
@@ -157,20 +191,33 @@ async def measure(rooms: int) -> tuple[list[dict[str, object]], float]:
         rows.append({"stage": stage, "what": label, "at_ms": at, "gap_ms": gap, "rooms": len(seen)})
         previous = stage
     total = float(np.median([t["end"] - t["start"] for t in timelines])) * 1e3
-    return rows, total
+    return rows, total, float(np.median(raw_s[20:])) * 1e3 if raw_s else None
 
 
 def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rooms", type=int, default=300)
+    parser.add_argument("--pages", type=int, default=1, help="pages per room (64 KiB each: 256 is 16 MiB)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="between rooms, a raw NIXL write of the same pages and a page fill, as Q1 does")
+    parser.add_argument("--lanes", type=int, default=None, help="prefill's write lanes (default: Config's)")
     args = parser.parse_args(argv)
-    print("Room trace: where a 1-page room's time goes (both managers in one process):")
-    rows, total = asyncio.run(measure(args.rooms))
+    if args.pages < 1:
+        parser.error("--pages must be at least 1")
+    print(f"Room trace: where a {args.pages}-page room's time goes (both managers in one process"
+          f"{'; a raw NIXL write and a page fill between rooms' if args.interleave else ''}):")
+    rows, total, raw_ms = asyncio.run(measure(args.rooms, args.pages, args.interleave, args.lanes))
     for r in rows:
         print(f"  {r['at_ms']:7.3f} ms  (+{r['gap_ms']:6.3f})  {r['what']}")
-    print(f"  median room {total:.3f} ms", flush=True)
-    result: dict[str, object] = {"question": __doc__.strip().splitlines()[0], "rows": rows, "room_p50_ms": total}
-    write_result("room_trace", result, out_dir)
+    print(f"  median room {total:.3f} ms" + (f"; raw NIXL's write of the same pages {raw_ms:.3f} ms "
+                                            f"({raw_ms / total:.2f}x)" if raw_ms else ""), flush=True)
+    result: dict[str, object] = {"question": __doc__.strip().splitlines()[0], "rows": rows, "room_p50_ms": total,
+                                 "pages": args.pages, "interleave": args.interleave, "raw_write_p50_ms": raw_ms,
+                                 "write_lanes": args.lanes}
+    name = "room_trace" if args.pages == 1 and not args.interleave and args.lanes is None else \
+        f"room_trace_{args.pages}p{'_interleaved' if args.interleave else ''}" \
+        f"{'' if args.lanes is None else f'_{args.lanes}lanes'}"
+    write_result(name, result, out_dir)
     return result
 
 

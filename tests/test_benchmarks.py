@@ -37,3 +37,14 @@ def test_every_benchmark_runs_at_a_tiny_size(tmp_path: pathlib.Path) -> None:
         assert data["machine"]["versions"]["numpy"] and data["question"]
     assert "| Q1 bulk" not in out.stdout or "x raw" in out.stdout
     assert (tmp_path / "throughput.png").exists()
+
+
+def test_the_room_trace_of_a_large_room_between_raw_writes(tmp_path: pathlib.Path) -> None:
+    code = ("import pathlib, sys; from benchmarks import trace_room; "
+            "trace_room.main(['--rooms', '3', '--pages', '4', '--interleave'], out_dir=pathlib.Path(sys.argv[1]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "room_trace_4p_interleaved.json").read_text())
+    stages = [row["stage"] for row in data["rows"]]
+    assert data["pages"] == 4 and data["raw_write_p50_ms"] > 0 and "copied_last" in stages and stages[-1] == "end"
