@@ -167,9 +167,10 @@ class EarlyTable:
         early.failed, early.answered, early.required = failed, answered, required
         return True
 
-    def drop_notice(self, room: int) -> None:
-        """The notice of ``room`` is spent (every decode rank was answered). Destinations and aborts
-        that wait in the same record are for a later request reusing the room id: they stay."""
+    def drop_notice(self, room: int, now: float) -> None:
+        """The notice of ``room`` is spent (every decode rank was answered), or cannot be kept. What
+        else waits in the record is for a later request reusing the room id: it stays, with a TTL
+        of its own from now (not the notice's)."""
         early = self._rooms.get(room)
         if early is None:
             return
@@ -179,6 +180,8 @@ class EarlyTable:
         spent = sum(len(d) + RECORD_BYTES for d in early.answered)
         self._charge(early, -(spent + (0 if early.failed is None else len(early.failed) + RECORD_BYTES)))
         early.failed, early.answered, early.required = None, {}, None
+        early.deadline = now + self.ttl_s
+        self._rooms.move_to_end(room)  # (expiry takes the oldest first)
 
     def reserve(self, nbytes: int) -> bool:
         """Charge bytes that wait outside any room (a destination being checked off the loop)."""

@@ -113,8 +113,8 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         sender = self.rooms[room] = SenderRoom(room)
         self.deadlines.arm(sender, now + self.config.bootstrap_timeout_s)
         early = self.early.pop(room)
-        if early is not None:  # a failure notice of an earlier sender of this id is void now
-            self._keep_later(room, early, now)
+        if early is not None:
+            self._keep_pending_notice(room, early, now)
             ended = None
             for decode_id, dest in early.infos.items():  # only from the session they came in, if it lives on
                 if self.peers.get(decode_id) is dest.peer and dest.peer.phase is PeerPhase.CONNECTED:
@@ -130,23 +130,16 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
                 self.fail(sender, PeerUnreachable(ended_reason(room, ended, "this sender opened")), now)
         return sender
 
-    def _keep_later(self, room: int, early: EarlyRoom, now: float) -> None:
-        """Of a decode's abort and destination waiting for the same room id, the later incarnation (epochs
-        grow) is for a later request reusing the id: it leaves ``early`` and waits for the next sender."""
-        infos = {d: dest for d, dest in early.infos.items() if d in early.aborts and early.aborts[d].epoch < dest.epoch}
-        aborts = {d: a for d, a in early.aborts.items() if d in early.infos and early.infos[d].epoch < a.epoch}
-        if not infos and not aborts:
+    def _keep_pending_notice(self, room: int, early: EarlyRoom, now: float) -> None:
+        """A failure notice that still waits for decode ranks outlives the opening of a later sender of
+        the room id: what those ranks send next is the old request's (``_owes_notice``), answered with
+        its failure, and must not become this sender's destination (its pages are the old request's)."""
+        if early.failed is None or (early.required is not None and len(early.answered) >= early.required):
             return
         rest = self.early.get_or_add(room, now)
-        for decode_id, dest in infos.items():
-            del early.infos[decode_id]
-            if rest is None or self.early.park(rest, dest) is not None:
-                self._drop("early_full", f"room {room}: destination of a later request not kept (early bounds)")
-        for decode_id, abort in aborts.items():
-            del early.aborts[decode_id]
-            if rest is None or not self.early.keep_abort(rest, abort):
-                self._drop("early_abort", f"room {room}: abort of a later request not kept (early bounds)")
-        self.early.discard_if_empty(room)
+        if rest is None or not self.early.leave_notice(rest, early.failed, early.answered, early.required):
+            self._drop("early_notice", f"room {room}: failure notice not kept past a new sender (early bounds)")
+            self.early.discard_if_empty(room)
 
     def sender_init(self, room: SenderRoom, num_pages: Any, aux_index: Any, now: float) -> None:
         """How many pages the room sends in total, and which aux row carries its metadata (-1: none)."""
@@ -241,15 +234,16 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         parked = None if early is None else early.infos.get(msg.decode_id)
         if early is not None and parked is not None and parked.epoch == msg.epoch:
             self.early.unpark(early, msg.decode_id)  # its destination waited for a sender: never used now
-            self.early.keep_abort(early, msg)
+            if not self.early.keep_abort(early, msg):
+                self._drop("early_abort", f"room {msg.room}: abort of {msg.decode_id[:8]} not kept (early bounds)")
+                self.early.discard_if_empty(msg.room)
+        elif self._owes_notice(early, current, msg.decode_id, msg.epoch):  # for the notice's request
+            self._notice_answered(msg.room, msg.decode_id, msg.epoch, msg.required, now)
         elif current is not None and not self._later_request(current, msg.decode_id, msg.epoch):
             if msg.decode_id not in current.destinations:  # the abort came before that decode's destination
                 if not msg.destination_sent:
                     self.fail(current, Aborted(reason), now)
                 self._answered(current, msg.decode_id, msg.epoch, msg.required)
-        elif early is not None and early.failed is not None and current is None \
-                and early.answered.get(msg.decode_id, msg.epoch) == msg.epoch:  # (else: for a later request)
-            self._notice_answered(msg.room, msg.decode_id, msg.epoch, msg.required)
         elif not msg.destination_sent:  # a sender created later fails at once instead of at its timeout
             early = self.early.get_or_add(msg.room, now)
             if early is not None and not self.early.keep_abort(early, msg):
@@ -302,15 +296,19 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         if room.required is None:
             room.required = required
 
-    def _notice_answered(self, room: int, decode_id: str, epoch: int, required: int) -> None:
+    def _notice_answered(self, room: int, decode_id: str, epoch: int, required: int, now: float) -> None:
         """A decode rank learnt of the failure notice of ``room`` (or aborted): the notice goes once
         every decode rank of the room did."""
         early = self.early.get(room)
-        if early is None or not self.early.mark_answered(early, decode_id, epoch):
+        if early is None:
+            return
+        if not self.early.mark_answered(early, decode_id, epoch):  # a rank told but not recorded would
+            self._drop("early_notice", f"room {room}: notice dropped, answered ranks not kept (early bounds)")
+            self.early.drop_notice(room, now)  # take its next request for the old one's: no notice
             return
         early.required = early.required or required
         if len(early.answered) >= early.required:
-            self.early.drop_notice(room)  # (what else waits there is for a later request reusing the id)
+            self.early.drop_notice(room, now)  # (what else waits there is for a later request reusing the id)
 
     def _retire(self, room: SenderRoom, now: float) -> None:
         """A cleared room with nothing in flight; leave a failure notice for destinations still to come."""

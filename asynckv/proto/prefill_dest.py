@@ -30,7 +30,7 @@ from .destinations import (
     precheck_destination,
     sender_of,
 )
-from .early import EarlyTable, info_bytes
+from .early import EarlyRoom, EarlyTable, info_bytes
 from .messages import Message, TransferInfo
 from .sender import ENDED_SEEN, DecodePeer, Destination, PeerPhase, SenderRoom
 from .states import Event, SenderState
@@ -68,7 +68,7 @@ class DestinationRules(Core):
 
         def _answered(self, room: SenderRoom, decode_id: str, epoch: int, required: int) -> None: ...
 
-        def _notice_answered(self, room: int, decode_id: str, epoch: int, required: int) -> None: ...
+        def _notice_answered(self, room: int, decode_id: str, epoch: int, required: int, now: float) -> None: ...
 
         def _check_page_counts(self, room: SenderRoom, now: float) -> None: ...
 
@@ -163,15 +163,14 @@ class DestinationRules(Core):
 
     def _take_destination(self, info: TransferInfo, peer: DecodePeer, reason: str | None, now: float) -> None:
         """A destination whose check is done (``reason``: why it is invalid): to its sender, or to wait."""
-        room = self.rooms.get(info.room)
+        room, early = self.rooms.get(info.room), self.early.get(info.room)
+        if self._owes_notice(early, room, info.decode_id, info.epoch):
+            assert early is not None and early.failed is not None
+            self._status(peer, info.room, info.epoch, False, early.failed)  # the sender failed, was cleared
+            self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num, now)
+            return
         if room is not None and not self._later_request(room, info.decode_id, info.epoch):
             self._on_destination(room, info, peer, reason, now)
-            return
-        early = self.early.get(info.room)
-        if room is None and early is not None and early.failed is not None \
-                and early.answered.get(info.decode_id, info.epoch) == info.epoch:
-            self._status(peer, info.room, info.epoch, False, early.failed)  # the sender failed, was cleared
-            self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num)
             return
         if reason is not None:  # decode hears it now rather than at its waiting timeout; nothing is kept
             self._refuse(info, "early_invalid", f"room {info.room}: {reason}")
@@ -205,17 +204,15 @@ class DestinationRules(Core):
         self.stats["ended_session_info"] += 1
         if self.closing:
             return
-        room = self.rooms.get(info.room)
+        room, early = self.rooms.get(info.room), self.early.get(info.room)
+        if self._owes_notice(early, room, info.decode_id, info.epoch):
+            self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num, now)
+            return
         if room is not None and not self._later_request(room, info.decode_id, info.epoch):
             if info.decode_id not in room.destinations:
                 self._answered(room, info.decode_id, info.epoch, info.required_dst_info_num)
                 if room.state is SenderState.BOOTSTRAPPING:
                     self.fail(room, PeerUnreachable(ended_reason(info.room, ended, "it arrived")), now)
-            return
-        early = self.early.get(info.room)
-        if room is None and early is not None and early.failed is not None \
-                and early.answered.get(info.decode_id, info.epoch) == info.epoch:
-            self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num)
             return
         early = self.early.get_or_add(info.room, now)  # the sender fails when it opens (``open_sender``)
         empty = np.empty(0, dtype=np.int32)  # (its pages are never used: not kept)
@@ -235,6 +232,20 @@ class DestinationRules(Core):
         peer = self.peers.get(info.decode_id)
         if peer is not None:
             self._status(peer, info.room, info.epoch, False, reason)
+
+    @staticmethod
+    def _owes_notice(early: EarlyRoom | None, room: SenderRoom | None, decode_id: str, epoch: int) -> bool:
+        """Whether a message of ``decode_id`` for the room id is for the request a failure notice answers:
+        that rank was told of it with this epoch, or was never told and (when a later sender of the id
+        opened meanwhile) never spoke to that sender. A decode rank sends, for each request on a room
+        id, its destination or an abort before anything of a later one, so its first message after the
+        notice is the notice's request (epochs of different ranks cannot tell requests apart)."""
+        if early is None or early.failed is None:
+            return False
+        known = early.answered.get(decode_id)
+        if known is not None:
+            return known == epoch
+        return room is None or (decode_id not in room.destinations and decode_id not in room.answered)
 
     @staticmethod
     def _later_request(room: SenderRoom, decode_id: str, epoch: int) -> bool:

@@ -199,7 +199,7 @@ def test_a_later_request_parked_on_a_notice_outlives_the_notice_when_the_last_ra
     c.check()
 
 
-def test_an_abort_and_a_later_requests_destination_on_one_record_go_to_two_senders_in_order() -> None:
+def test_an_abort_and_a_later_requests_destination_on_one_record_fail_the_next_sender_and_tell_both() -> None:
     for live in (True, False):
         rank = Rank()
         assert rank.register("X").ok
@@ -207,22 +207,14 @@ def test_an_abort_and_a_later_requests_destination_on_one_record_go_to_two_sende
         if not live:
             kill(rank, "X")  # and request 2's destination crosses the goodbye
         rank.feed(info(9, "X", [3, 4], epoch=2))
-        first = rank.core.open_sender(9, rank.now)
+        first = rank.core.open_sender(9, rank.now)  # request 1's, or request 2's: prefill cannot tell
         rank.run()
         assert first.state is SenderState.FAILED and first.reason == "aborted by decode: cancelled"
-        assert not [m for m in rank.statuses(9) if m.epoch == 2], "request 2 was told of request 1's abort"
+        if live:  # request 2 hears at once rather than at its waiting timeout
+            assert [(m.epoch, m.ok) for m in rank.statuses(9)][-1] == (2, False)
         rank.core.clear_sender(first, rank.now)
         rank.run()
-        second = rank.core.open_sender(9, rank.now)
-        rank.run()
-        if live:
-            assert second.state is SenderState.READY and list(second.destinations["X"].info.dst_pages) == [3, 4]
-        else:
-            assert second.state is SenderState.FAILED and "ended before this sender opened" in second.reason
-        rank.core.abort_sender(second, Aborted("done"), rank.now)
-        rank.core.clear_sender(second, rank.now)
-        rank.run()
-        assert empty(rank), rank.core.room_counts()
+        assert empty(rank), rank.core.room_counts()  # nothing waits for a sender that may never open
 
 
 def test_an_abort_of_a_later_request_on_a_room_id_with_a_notice_fails_that_requests_sender_at_once() -> None:
