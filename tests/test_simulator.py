@@ -29,12 +29,15 @@ def test_seeded_schedules_hold_every_invariant(first: int) -> None:
     assert rooms > 10 * BATCH  # the schedules do real work
 
 
-@pytest.mark.parametrize("seed", [19217, 19523, 163736])
+@pytest.mark.parametrize("seed", [19217, 19523, 163736, 405413, 415203])
 def test_the_seeds_that_100000_schedule_runs_tripped_on_hold_every_invariant(seed: int) -> None:
     """19217 (a sender opened after its waiting destination's session ended: a notice left for its TTL)
     and 19523 (a session connected beside an older connect of its name: the pair wedged) were faults in
     the cores; 163736 was the check's: a reused room's prefill sender had not opened when the workload
-    ended, so the decode's abort rightly waited for it in the early table."""
+    ended, so the decode's abort rightly waited for it in the early table. 405413 and 415203 tripped
+    a change that gave one decode's early abort and later destination to two senders in turn: the
+    aborted request's sender never opened, so the later request's sender failed and its destination
+    was left waiting."""
     assert run_seed(seed).violations == []
 
 
