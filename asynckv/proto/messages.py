@@ -28,27 +28,12 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import RemoteProtocolError
+from .fastcodec import FastCodec
 from .wire_limits import MAX_REASON_CHARS, MAX_STR_CHARS, check_sizes
 
-__all__ = [
-    "MAGIC",
-    "MAX_ROOM",
-    "PROTOCOL_VERSION",
-    "Abort",
-    "Bye",
-    "Message",
-    "Ping",
-    "Pong",
-    "Register",
-    "RegisterResult",
-    "Status",
-    "TransferInfo",
-    "VersionMismatch",
-    "decode",
-    "encode",
-    "pack",
-    "unpack",
-]
+__all__ = ["MAGIC", "MAX_ROOM", "PROTOCOL_VERSION", "Abort", "Bye", "Message", "Ping", "Pong", "Register",
+           "RegisterResult", "Status", "TransferInfo", "VersionMismatch", "decode", "encode", "encode_frame",
+           "pack", "unpack"]
 
 MAGIC = b"AKVP"
 PROTOCOL_VERSION = 4
@@ -189,11 +174,8 @@ class TransferInfo(Message):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TransferInfo):
             return NotImplemented
-        scalars = ("room", "epoch", "decode_id", "prefill_id", "aux_index", "required_dst_info_num", "is_dummy",
-                   "write_aux", "decode_prefix_len")
-        return all(getattr(self, f) == getattr(other, f) for f in scalars) \
-            and np.array_equal(self.dst_pages, other.dst_pages) \
-            and np.array_equal(self.dst_state_indices, other.dst_state_indices)
+        return all(np.array_equal(getattr(self, f), getattr(other, f)) if kind == "i32" else
+                   getattr(self, f) == getattr(other, f) for f, kind in self.SCHEMA)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -283,10 +265,17 @@ _FIELDS = {cls: (tuple((n, k) for n, k in cls.SCHEMA if k not in _BINARY),
 """Per message type: its scalar (body) fields and its binary fields, in frame order."""
 _JSON_OUT = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # (json.dumps builds one per call)
 _JSON_IN = json.JSONDecoder()
+_FAST = FastCodec(MESSAGE_TYPES, MAGIC, PROTOCOL_VERSION, MAX_ROOM)
 
 
 def encode(msg: Message) -> list[bytes]:
     """Encode a message into its parts: header, JSON body, binary fields (``pack`` makes them one frame)."""
+    parts = _FAST.encode_parts(msg)
+    return parts if parts is not None else _encode_generic(msg)
+
+
+def _encode_generic(msg: Message) -> list[bytes]:
+    """``encode`` field by field, for every type and value (the fast paths defer to it)."""
     body: dict[str, Any] = {}
     blobs: list[bytes] = []
     for name, kind in msg.SCHEMA:
@@ -303,6 +292,12 @@ def encode(msg: Message) -> list[bytes]:
             body[name] = value
     head = _HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.TYPE)
     return [head, _JSON_OUT.encode(body).encode(), *blobs]
+
+
+def encode_frame(msg: Message) -> bytes:
+    """``pack(encode(msg))``, through the type's generated fast path where it has one (``fastcodec``)."""
+    frame = _FAST.encode_frame(msg)
+    return frame if frame is not None else pack(encode(msg))
 
 
 def pack(parts: list[bytes]) -> bytes:
@@ -336,6 +331,12 @@ def decode(frames: list[bytes]) -> Message:
     ``RemoteProtocolError`` on anything off."""
     if len(frames) == 1:
         frames = unpack(bytes(frames[0]))
+    fast: Message | None = _FAST.decode(frames)
+    return fast if fast is not None else _decode_generic(frames)
+
+
+def _decode_generic(frames: list[bytes]) -> Message:
+    """``decode`` of a message's parts, field by field, for every type (the fast paths defer to it)."""
     if not 2 <= len(frames) <= MAX_FRAMES:
         raise RemoteProtocolError(f"expected 2..{MAX_FRAMES} frames, got {len(frames)}")
     head = bytes(frames[0])

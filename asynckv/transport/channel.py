@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import RemoteProtocolError
 from ..proto.auth import PROTECTED_MODE_REASON, Authenticator, AuthError, is_loopback
 from ..proto.endpoints import transport_of
-from ..proto.messages import Message, VersionMismatch, decode, encode, pack, unpack
+from ..proto.messages import Message, VersionMismatch, decode, encode, encode_frame, pack, unpack
 from .ratelimit import RateLimitedLog
 
 __all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS", "ChannelBase", "running_in"]
@@ -67,6 +67,8 @@ class ChannelBase:
         self._host = host
         self._decode, self._encode = codec
         """Frames to a message and back: asynckv's own wire, or another one (SGLang's)."""
+        self._encode_frame = encode_frame if codec[1] is encode and auth is None and one_frame else None
+        """Message to its one packed frame in one call (the native wire with nothing to seal)."""
         self._one_frame = one_frame
         """Send each message as one frame (``messages.pack``: asynckv's wire); else as a multipart
         message, one frame per part (SGLang's). Either is read."""
@@ -155,6 +157,8 @@ class ChannelBase:
 
     def _frames(self, endpoint: str, msg: Any) -> list[bytes]:
         """``msg`` as the frames that go out to ``endpoint``: encoded, sealed, packed."""
+        if self._encode_frame is not None:
+            return [self._encode_frame(msg)]
         frames = self._encode(msg)
         if self._auth is not None:
             frames = self._auth.seal(frames, endpoint, time.time_ns())
