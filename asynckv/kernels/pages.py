@@ -23,6 +23,7 @@ __all__ = [
     "handle_bounds",
     "kv_page_descriptors",
     "prepped_indices",
+    "prepped_pages_and_row",
     "prepped_row",
     "split_long",
     "validate_pages",
@@ -146,6 +147,15 @@ def prepped_row(row: int, num_slots: int, num_entries: int, first: int = 0) -> n
     """``prepped_indices`` of one slot ``row``, in a dlist whose first such row is ``first`` (the
     aux rows follow the KV rows); the caller keeps every index within int32."""
     return _entry_bases(num_slots, num_entries)[:, 0] + np.int32(first + row)
+
+
+def prepped_pages_and_row(pages: IntArray, num_slots: int, num_entries: int, row: int, row_slots: int,
+                          row_entries: int, first: int) -> npt.NDArray[np.int32]:
+    """``prepped_indices(pages, num_slots, num_entries)`` followed by ``prepped_row(row, row_slots,
+    row_entries, first)`` as one array (a small KV post with the aux row riding on it: one array
+    where the two calls and their join make five)."""
+    return np.concatenate(((_entry_bases(num_slots, num_entries) + pages.astype(np.int32, copy=False)).ravel(),
+                           _entry_bases(row_slots, row_entries)[:, 0] + np.int32(first + row)))
 
 
 @functools.lru_cache(maxsize=64)

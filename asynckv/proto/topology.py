@@ -98,15 +98,13 @@ class TargetPlan:
     targets: tuple[Target, ...]
     required_dst_info_num: int
     """How many decode ranks each target prefill rank waits for."""
+    ranks: tuple[PrefillRank, ...] = dataclasses.field(init=False, compare=False, repr=False)
+    required_responses: int = dataclasses.field(init=False, compare=False, repr=False)
+    """Distinct real senders that must report success to this decode rank."""
 
-    @property
-    def ranks(self) -> tuple[PrefillRank, ...]:
-        return tuple(t.rank for t in self.targets)
-
-    @property
-    def required_responses(self) -> int:
-        """Distinct real senders that must report success to this decode rank."""
-        return sum(1 for t in self.targets if not t.is_dummy)
+    def __post_init__(self) -> None:  # (a plan serves every room of its DP group: computed once, not per room)
+        object.__setattr__(self, "ranks", tuple(t.rank for t in self.targets))
+        object.__setattr__(self, "required_responses", sum(1 for t in self.targets if not t.is_dummy))
 
 
 def check_compatible(instance: PrefillInstance, *, page_size: int, kv_dtype: str, is_mla: bool,

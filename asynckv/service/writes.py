@@ -25,6 +25,7 @@ from ..kernels import (
     kv_page_descriptors,
     merge_contiguous,
     prepped_indices,
+    prepped_pages_and_row,
     prepped_row,
     split_long,
 )
@@ -240,6 +241,10 @@ class WriteBuilder:
         geom = self._peers.get(post.peer)
         if geom is None:
             raise KeyError(f"decode peer {post.peer[:8]} is not connected")
+        if post.aux is not None and post.kind == "kv" and geom.aux_base is not None:
+            one = self._one_handle_with_aux(geom, post, *post.aux)
+            if one is not None:
+                return one
         write = self._build_kind(geom, post)
         return write if post.aux is None else self._with_aux(write, geom, *post.aux)
 
@@ -258,6 +263,22 @@ class WriteBuilder:
         else:
             pieces = (*write.pieces, *aux.pieces)
         return Write(pieces, write.descriptors + aux.descriptors, write.nbytes + aux.nbytes)
+
+    def _one_handle_with_aux(self, geom: _Peer, post: Post, src_row: int, dst_row: int) -> Write | None:
+        """What ``_with_aux(_build_kind(...))`` makes of a prepared KV post whose pages and aux row
+        fit one handle, built in one pass (a 4-page post of 2 entries: 14 us the general way, 10 us this way);
+        ``None`` for any other post, which takes the general way (and its errors)."""
+        pages, aux = len(post.src), len(self.aux_ptrs)
+        kv, nbytes = pages * self._num_entries, pages * self._page_bytes
+        if not (geom.prepped and self._aux_base is not None and 0 < pages == len(post.dst) and 0 <= src_row <
+                self._aux_rows and 0 <= dst_row < geom.aux_rows and kv + aux <= self.config.max_descs_per_xfer
+                and kv * self._max_item + self._aux_bytes <= self._handle_bytes(nbytes)):
+            return None
+        src = prepped_pages_and_row(post.src, self._num_pages, self._num_entries, src_row, self._aux_rows, aux,
+                                    self._aux_base)
+        dst = prepped_pages_and_row(post.dst, geom.num_pages, self._num_entries, dst_row, geom.aux_rows, aux,
+                                    geom.aux_base)  # type: ignore[arg-type]
+        return Write((PreppedPiece(src, dst),), kv + aux, nbytes + self._aux_bytes)
 
     @property
     def aux_row_bytes(self) -> int:

@@ -14,6 +14,7 @@ from asynckv.kernels import (
     handle_bounds,
     kv_page_descriptors,
     prepped_indices,
+    prepped_pages_and_row,
     prepped_row,
     split_long,
     validate_pages,
@@ -122,6 +123,17 @@ def test_prepped_row_is_one_rows_indices_after_first(row: int, entries: int, fir
     assert got.dtype == np.int32
     assert got.tolist() == [first + i for i in ref.prepped_indices([row], 100, entries)]
     assert prepped_indices(np.array([row]), 100, entries).tolist() == ref.prepped_indices([row], 100, entries)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 99), min_size=1, max_size=20, unique=True), st.integers(1, 5), st.integers(0, 15),
+       st.integers(1, 3), st.integers(0, 10_000))
+def test_prepped_pages_and_row_is_the_pages_indices_then_the_rows(pages: list[int], entries: int, row: int,
+                                                                   row_entries: int, first: int) -> None:
+    got = prepped_pages_and_row(np.array(pages, dtype=np.int64), 100, entries, row, 16, row_entries, first)
+    assert got.dtype == np.int32
+    assert got.tolist() == ref.prepped_indices(pages, 100, entries) + [
+        first + i for i in ref.prepped_indices([row], 16, row_entries)]
 
 
 @pytest.mark.parametrize("pages, needle", [

@@ -109,7 +109,8 @@ def test_values_the_generic_encoder_writes_differently_take_the_generic_path() -
 
 
 def test_a_long_reason_is_cut_alike() -> None:
-    msg = Status(room=1, epoch=2, prefill_id="p", session=3, sender_rank=4, ok=False, reason="é" * (MAX_REASON_CHARS + 1))
+    msg = Status(room=1, epoch=2, prefill_id="p", session=3, sender_rank=4, ok=False,
+                 reason="é" * (MAX_REASON_CHARS + 1))
     assert m.encode_frame(msg) == pack(m._encode_generic(msg))
     assert decode([m.encode_frame(msg)]).reason == "é" * (MAX_REASON_CHARS - 3) + "..."
 

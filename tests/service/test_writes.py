@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asynckv.config import Config
 from asynckv.errors import InvalidArgument
@@ -15,7 +17,7 @@ from asynckv.proto.sender import DecodePeer
 from asynckv.proto.topology import plan_peer, stub_agent_metadata
 from asynckv.service.writes import WriteBuilder
 from asynckv.testing import KVPool
-from asynckv.transport.base import DescPiece, PreppedPiece
+from asynckv.transport.base import DescPiece, PreppedPiece, Write
 
 
 def register(pool: KVPool) -> Register:
@@ -114,3 +116,44 @@ def test_the_aux_row_joins_the_last_handle_only_within_its_byte_bound() -> None:
     write = builder.build(kv_post([1, 2], [7, 9], (3, 5)))
     sizes = [int(local[p.src_idx][:, 1].sum()) for p in write.pieces if isinstance(p, PreppedPiece)]
     assert sizes == [512, 512, 128]  # two pages, then the aux row alone: no handle past 512 bytes
+
+
+def _general(builder: WriteBuilder, post: Post) -> Write:
+    """The general way, step by step (what the one-pass build of a small post with its aux row must equal)."""
+    geom = builder._peers[post.peer]
+    assert post.aux is not None
+    return builder._with_aux(builder._build_kind(geom, post), geom, *post.aux)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.sampled_from([(None, None), (4, None), (5, None), (None, 512), (None, 640), (3, 256)]))
+def test_a_small_post_with_its_aux_row_is_built_in_one_pass_as_the_general_way_builds_it(
+        data: st.DataObject, bounds: tuple[int | None, int | None]) -> None:
+    builder, _, _ = connected(decode_aux_rows=32)
+    descs, handle = bounds
+    builder.config = Config(prepped_dlists=True, staging_bytes=0, **({"max_descs_per_xfer": descs} if descs else {}),
+                            **({"xfer_handle_bytes": handle} if handle else {}))
+    n = data.draw(st.integers(1, 8))
+    src, dst = data.draw(st.permutations(range(8)))[:n], data.draw(st.permutations(range(32)))[:n]
+    aux = (data.draw(st.integers(0, 15)), data.draw(st.integers(0, 31)))
+    post = kv_post(list(src), list(dst), aux)
+    one = builder._one_handle_with_aux(builder._peers["decode"], post, *aux)
+    built, general = builder.build(post), _general(builder, post)
+    assert (built.descriptors, built.nbytes, len(built.pieces)) == (general.descriptors, general.nbytes,
+                                                                    len(general.pieces))
+    for mine, theirs in zip(built.pieces, general.pieces, strict=True):
+        assert type(mine) is type(theirs)
+        if isinstance(mine, PreppedPiece) and isinstance(theirs, PreppedPiece):
+            assert mine.src_idx.dtype == theirs.src_idx.dtype == np.int32
+            assert mine.src_idx.tolist() == theirs.src_idx.tolist()
+            assert mine.dst_idx.tolist() == theirs.dst_idx.tolist()
+    fits = n * 2 + 2 <= builder.config.max_descs_per_xfer and n * 2 * 256 + 128 <= builder.config.xfer_handle_bytes
+    assert (one is not None) == fits  # (the one pass serves exactly the posts that make one handle)
+
+
+def test_a_small_post_whose_aux_row_is_out_of_range_is_refused_as_before() -> None:
+    builder, _, _ = connected(decode_aux_rows=16)
+    for aux in ((16, 0), (0, 16), (-1, 0)):
+        assert builder._one_handle_with_aux(builder._peers["decode"], kv_post([1], [2], aux), *aux) is None
+        with pytest.raises(InvalidArgument, match="aux rows"):
+            builder.build(kv_post([1], [2], aux))
