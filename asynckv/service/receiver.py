@@ -6,14 +6,13 @@ room (fencing included) lives in ``asynckv.proto.decode``.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Aborted
 from ..proto.receiver import ReceiverRoom
 from ..proto.states import KVPoll, ReceiverState
-from .pump import outcome
+from .pump import Outcome
 
 if TYPE_CHECKING:
     from .decode import ReceiverPump
@@ -39,8 +38,8 @@ class KVReceiver:
         """The core's record of this room (read-only for callers)."""
         self.bootstrap_addr = bootstrap_addr
         loop = service.loop
-        self._init: asyncio.Future[None] = loop.create_future()
-        self._done: asyncio.Future[KVPoll] = loop.create_future()
+        self._init: Outcome[None] = Outcome(loop)
+        self._done: Outcome[KVPoll] = Outcome(loop)
 
     @property
     def room(self) -> int:
@@ -71,7 +70,7 @@ class KVReceiver:
         """
         self._svc.feed("receiver_init", self.state, page_indices, aux_index, state_indices, decode_prefix_len)
         if self.state.state is ReceiverState.RESOLVING:
-            await asyncio.shield(self._init)
+            await self._init.wait()
         return self.poll()
 
     def init_nowait(self, page_indices: Any, aux_index: int = -1, state_indices: Any = None,
@@ -82,7 +81,7 @@ class KVReceiver:
 
     def on_done(self, callback: Callable[[KVPoll], None]) -> None:
         """Call ``callback(poll)`` on the loop once the room's outcome is decided (after its fence)."""
-        self._done.add_done_callback(lambda fut: callback(fut.result()))
+        self._done.add_done_callback(callback)
 
     def abort_nowait(self, reason: str = "aborted by decode") -> None:
         """``abort()`` without waiting for the fence (``on_done`` says when it is reached)."""
@@ -94,13 +93,13 @@ class KVReceiver:
         Failed is returned once the room's pages are fenced. Cancelling the waiting task
         does not abort the room; ``abort()`` does.
         """
-        return await outcome(self._done, timeout)
+        return await self._done.wait(timeout)
 
     async def abort(self, reason: str = "aborted by decode") -> KVPoll:
         """Fail the room, tell every prefill rank involved, and return once none of them can
         still write into its pages."""
         self._svc.feed("abort_receiver", self.state, Aborted(reason))
-        return await asyncio.shield(self._done)
+        return await self._done.wait()
 
     def clear(self) -> None:
         """Drop the room. On an unfinished room this starts an abort but cannot wait for the fence:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import Aborted
 from ..proto.sender import SenderRoom
 from ..proto.states import KVPoll, SenderState
-from .pump import outcome
+from .pump import Outcome, outcome
 
 if TYPE_CHECKING:
     from .prefill import PrefillService
@@ -34,8 +34,8 @@ class KVSender:
         self.state = room
         """The core's record of this room (read-only for callers)."""
         loop = service.loop
-        self._ready: asyncio.Future[KVPoll] = loop.create_future()
-        self._done: asyncio.Future[KVPoll] = loop.create_future()
+        self._ready: Outcome[KVPoll] = Outcome(loop)
+        self._done: Outcome[KVPoll] = Outcome(loop)
         self._chunks: dict[int, asyncio.Future[None]] = {}
         self.ready_changed()
         if not room.active:
@@ -64,7 +64,7 @@ class KVSender:
 
     async def wait_ready(self, timeout: float | None = None) -> KVPoll:
         """Wait until decode's destination is known (WaitingForInput) or the room failed."""
-        return await outcome(self._ready, timeout)
+        return await self._ready.wait(timeout)
 
     def init(self, num_pages: int, aux_index: int = -1) -> None:
         """Declare how many pages the room sends in total and which aux row carries its metadata."""
@@ -99,7 +99,7 @@ class KVSender:
 
         Cancelling the waiting task does not abort the room.
         """
-        return await outcome(self._done, timeout)
+        return await self._done.wait(timeout)
 
     def send_nowait(self, page_indices: Any, state_indices: Any = None) -> int | None:
         """``send()`` for synchronous callers: queue the chunk (its writes wait for the byte budget
@@ -109,11 +109,11 @@ class KVSender:
 
     def on_ready(self, callback: Callable[[KVPoll], None]) -> None:
         """Call ``callback(poll)`` on the loop once the room is ready (WaitingForInput) or failed."""
-        self._ready.add_done_callback(lambda fut: callback(fut.result()))
+        self._ready.add_done_callback(callback)
 
     def on_done(self, callback: Callable[[KVPoll], None]) -> None:
         """Call ``callback(poll)`` on the loop once the room's outcome is decided."""
-        self._done.add_done_callback(lambda fut: callback(fut.result()))
+        self._done.add_done_callback(callback)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Fail the room; decode is told once none of its writes can still land."""

@@ -6,9 +6,11 @@ import asyncio
 import collections
 from typing import Any
 
+import pytest
+
 from asynckv.proto import actions as act
 from asynckv.proto.messages import Bye
-from asynckv.service.pump import Pump
+from asynckv.service.pump import Outcome, Pump
 from asynckv.testing import ManualClock
 
 
@@ -73,3 +75,36 @@ async def test_the_one_timer_follows_the_cores_deadline_and_gets_the_clocks_time
     assert [c for c in core.calls if c[0] == "timer"] == [("timer", 100.02)]
     await asyncio.sleep(0.05)
     assert len([c for c in core.calls if c[0] == "timer"]) == 1  # the later one was replaced, not kept
+
+
+async def test_a_cancelled_or_timed_out_waiter_of_an_outcome_leaves_the_result_to_the_others() -> None:
+    loop = asyncio.get_running_loop()
+    result: Outcome[str] = Outcome(loop)
+    seen: list[str] = []
+    result.add_done_callback(seen.append)
+    cancelled, patient = loop.create_task(result.wait()), loop.create_task(result.wait())
+    with_timeout = loop.create_task(result.wait(timeout=0.001))
+    await asyncio.sleep(0)  # (all three wait now)
+    cancelled.cancel()
+    await asyncio.sleep(0.01)
+    assert cancelled.cancelled() and isinstance(with_timeout.exception(), TimeoutError)
+    assert not result.done() and len(result._waiters) == 1  # (the two that left took their waiters along)
+    result.set_result("done")
+    assert seen == []  # (callbacks run from the loop, never inside set_result)
+    assert await patient == "done" and seen == ["done"] and result.result() == "done"
+    assert await result.wait() == "done" and result._waiters == []
+
+
+async def test_an_outcome_is_set_once_and_reports_a_missing_result() -> None:
+    loop = asyncio.get_running_loop()
+    result: Outcome[int] = Outcome(loop)
+    with pytest.raises(asyncio.InvalidStateError):
+        result.result()
+    result.set_result(1)
+    with pytest.raises(asyncio.InvalidStateError):
+        result.set_result(2)
+    late: list[int] = []
+    result.add_done_callback(late.append)  # (set already: called soon, from the loop)
+    assert late == []
+    await asyncio.sleep(0)
+    assert late == [1] and result.result() == 1
