@@ -87,10 +87,12 @@ def _source(cls: type, max_room: int) -> str:
            "        return None"]
     if has_reason:
         enc.append(f"    if len(reason) > {MAX_REASON_CHARS}: reason = reason[:{MAX_REASON_CHARS - 3}] + '...'")
+    # (the binary fields first: the generic encoder converts them before it writes the body, so a
+    # message bad in both ways raises the same error either way)
+    enc += [f"    {n} = {'bytes' if k == 'bytes' else '_i32_bytes'}({n})" for n, k in binaries]
     body = "{" + ",".join(f'"{n}":{"%s" if k in exact else "%d"}' for n, k in scalars) + "}"
     values = [f"'true' if {n} else 'false'" if k == "bool" else f"_str({n})" if k == "str" else n for n, k in scalars]
-    blobs = [f"{'bytes' if k == 'bytes' else '_i32_bytes'}({n})" for n, k in binaries]
-    enc.append(f"    return {_tuple([f'({body!r} % ({_tuple(values)})).encode()', *blobs])}")
+    enc.append(f"    return {_tuple([f'({body!r} % ({_tuple(values)})).encode()', *(n for n, _ in binaries)])}")
     parts = ["body", *(n for n, _ in binaries)]
     enc += ["",
             "def encode_parts(msg):",
@@ -153,9 +155,12 @@ class FastCodec:
 
     def decode(self, parts: list[bytes]) -> Any:
         """The message of ``parts`` (header, body, binary parts: ``unpack``'s output), or ``None``."""
-        if len(parts) < 2 or len(parts[0]) != _HEADER.size:
+        if len(parts) < 2:
             return None
-        magic, version, msg_type = _HEADER.unpack(parts[0])
+        head = bytes(parts[0])  # (as the generic path reads it: a strided or wide buffer too)
+        if len(head) != _HEADER.size:
+            return None
+        magic, version, msg_type = _HEADER.unpack(head)
         fast = self._by_type.get(msg_type)
         if fast is None or magic != self._magic or version != self._version or len(parts) != 2 + fast.binaries:
             return None

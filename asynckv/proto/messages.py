@@ -370,7 +370,7 @@ def _decode_generic(frames: list[bytes]) -> Message:
 def _load_body(frame: bytes) -> dict[str, Any]:
     try:
         body = _JSON_IN.decode(bytes(frame).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # (nesting within the size cap)
         raise RemoteProtocolError(f"body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RemoteProtocolError("body must be a JSON object")

@@ -5,6 +5,8 @@ exactly as before (the same message, or the same error)."""
 from __future__ import annotations
 
 import json
+import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -183,3 +185,31 @@ def test_the_generated_source_is_readable_python_for_each_fast_type() -> None:
         text = fastcodec.source(cls)
         compile(text, cls.__name__, "exec")
         assert "def encode_frame(msg):" in text and "def build(raw" in text
+
+
+def test_a_header_part_in_any_buffer_decodes_as_the_generic_path_reads_it() -> None:
+    head, body = m._encode_generic(Status(5, 7, "p", 9, 0, True, ""))
+    strided = memoryview(bytes(x for c in head for x in (c, 0)))[::2]  # (8 bytes, not contiguous)
+    _same(decode([strided, body]), m._decode_generic([strided, body]))
+    wide = np.frombuffer(head, np.uint8).astype(np.uint16)  # (8 items, 16 bytes)
+    assert _outcome(decode, [wide, body]) == _outcome(m._decode_generic, [wide, body])
+
+
+def test_a_message_bad_in_a_binary_field_and_a_scalar_raises_what_the_generic_encoder_raises() -> None:
+    limit = sys.get_int_max_str_digits()
+    msg = TransferInfo(room=10 ** (limit + 10) if limit else 1, epoch=0, decode_id="d", prefill_id="p", aux_index=-1,
+                       required_dst_info_num=1, is_dummy=False, write_aux=True, decode_prefix_len=0,
+                       dst_pages=None, dst_state_indices=np.array([], np.int32))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        m._encode_generic(msg)
+    with pytest.raises(TypeError):
+        encode(msg)
+    with pytest.raises(TypeError):
+        m.encode_frame(msg)
+
+
+def test_a_deeply_nested_body_within_its_cap_is_refused_as_malformed() -> None:
+    deep = b'{"x":' + b"[" * 2000 + b"]" * 2000 + b"}"
+    parts = [struct.pack("<4sHH", m.MAGIC, m.PROTOCOL_VERSION, TransferInfo.TYPE), deep, b"", b""]
+    with pytest.raises(RemoteProtocolError, match="not JSON"):
+        decode([pack(parts)])

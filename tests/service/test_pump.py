@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 from typing import Any
 
 import pytest
@@ -108,3 +109,25 @@ async def test_an_outcome_is_set_once_and_reports_a_missing_result() -> None:
     assert late == []
     await asyncio.sleep(0)
     assert late == [1] and result.result() == 1
+
+
+TAG: contextvars.ContextVar[str] = contextvars.ContextVar("tag", default="none")
+
+
+async def test_outcome_callbacks_run_in_the_context_they_were_added_in_before_the_waiters_resume() -> None:
+    loop = asyncio.get_running_loop()
+    result: Outcome[int] = Outcome(loop)
+    order: list[str] = []
+
+    async def waiter() -> None:
+        await result.wait()
+        order.append("waiter resumed")
+
+    task = loop.create_task(waiter())
+    await asyncio.sleep(0)
+    TAG.set("registrant")
+    result.add_done_callback(lambda _: order.append(f"callback in {TAG.get()}"))
+    TAG.set("setter")
+    result.set_result(1)
+    await task
+    assert order == ["callback in registrant", "waiter resumed"]  # (as a future's callbacks, behind a shield)
