@@ -237,7 +237,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
             if not self.early.keep_abort(early, msg):
                 self._drop("early_abort", f"room {msg.room}: abort of {msg.decode_id[:8]} not kept (early bounds)")
                 self.early.discard_if_empty(msg.room)
-        elif self._owes_notice(early, current, msg.decode_id, msg.epoch):  # for the notice's request
+        elif self._owes_notice(early, current, msg.decode_id, msg.epoch) is not None:  # the notice's request
             self._notice_answered(msg.room, msg.decode_id, msg.epoch, msg.required, now)
         elif current is not None and not self._later_request(current, msg.decode_id, msg.epoch):
             if msg.decode_id not in current.destinations:  # the abort came before that decode's destination

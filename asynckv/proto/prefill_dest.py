@@ -164,9 +164,9 @@ class DestinationRules(Core):
     def _take_destination(self, info: TransferInfo, peer: DecodePeer, reason: str | None, now: float) -> None:
         """A destination whose check is done (``reason``: why it is invalid): to its sender, or to wait."""
         room, early = self.rooms.get(info.room), self.early.get(info.room)
-        if self._owes_notice(early, room, info.decode_id, info.epoch):
-            assert early is not None and early.failed is not None
-            self._status(peer, info.room, info.epoch, False, early.failed)  # the sender failed, was cleared
+        failed = self._owes_notice(early, room, info.decode_id, info.epoch)
+        if failed is not None:
+            self._status(peer, info.room, info.epoch, False, failed)  # the sender failed, was cleared
             self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num, now)
             return
         if room is not None and not self._later_request(room, info.decode_id, info.epoch):
@@ -205,7 +205,7 @@ class DestinationRules(Core):
         if self.closing:
             return
         room, early = self.rooms.get(info.room), self.early.get(info.room)
-        if self._owes_notice(early, room, info.decode_id, info.epoch):
+        if self._owes_notice(early, room, info.decode_id, info.epoch) is not None:
             self._notice_answered(info.room, info.decode_id, info.epoch, info.required_dst_info_num, now)
             return
         if room is not None and not self._later_request(room, info.decode_id, info.epoch):
@@ -234,18 +234,19 @@ class DestinationRules(Core):
             self._status(peer, info.room, info.epoch, False, reason)
 
     @staticmethod
-    def _owes_notice(early: EarlyRoom | None, room: SenderRoom | None, decode_id: str, epoch: int) -> bool:
-        """Whether a message of ``decode_id`` for the room id is for the request a failure notice answers:
+    def _owes_notice(early: EarlyRoom | None, room: SenderRoom | None, decode_id: str, epoch: int) -> str | None:
+        """The failure a notice holds, if a message of ``decode_id`` for the room id is for the request it answers:
         that rank was told of it with this epoch, or was never told and (when a later sender of the id
         opened meanwhile) never spoke to that sender. A decode rank sends, for each request on a room
         id, its destination or an abort before anything of a later one, so its first message after the
         notice is the notice's request (epochs of different ranks cannot tell requests apart)."""
         if early is None or early.failed is None:
-            return False
+            return None
         known = early.answered.get(decode_id)
         if known is not None:
-            return known == epoch
-        return room is None or (decode_id not in room.destinations and decode_id not in room.answered)
+            return early.failed if known == epoch else None
+        owed = room is None or (decode_id not in room.destinations and decode_id not in room.answered)
+        return early.failed if owed else None
 
     @staticmethod
     def _later_request(room: SenderRoom, decode_id: str, epoch: int) -> bool:
