@@ -18,14 +18,14 @@ encoder would treat differently from a plain ``int``/``str``/``bool`` (a numpy i
 an int field, a ``str`` subclass), and ``build`` returns ``None`` for anything but a body and parts
 that pass every check; the caller then takes the generic path, which gives the same message or
 raises the same error as before. A test holds both paths to the same bytes and the same messages
-(``tests/proto/test_fastcodec.py``); ``source(cls)`` shows the generated code.
+(``tests/proto/test_fastcodec.py``); ``FastCodec.source(cls)`` shows the generated code.
 """
 
 from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from json import JSONDecoder
 from json.encoder import encode_basestring_ascii  # (json.dumps's own, for str with ensure_ascii)
 from typing import Any, NamedTuple
@@ -35,10 +35,8 @@ import numpy as np
 from ..errors import RemoteProtocolError
 from .wire_limits import MAX_REASON_CHARS, MAX_STR_CHARS, check_sizes
 
-__all__ = ["FastCodec", "FastPaths", "source"]
+__all__ = ["FastCodec", "FastPaths"]
 
-_LENGTH = struct.Struct("<I")
-_HEADER = struct.Struct("<4sHH")
 _BINARY = ("bytes", "i32")
 _SCALAR = ("int", "uint", "room", "str", "bool")
 # (no whitespace around the object, as encoders send it; anything else goes the generic way)
@@ -56,10 +54,15 @@ class FastPaths(NamedTuple):
     """How many binary parts follow the body."""
 
 
-def _i32(blob: bytes) -> Any:
-    if sys.byteorder == "little":  # (the generic decoder's astype is then a no-op)
-        return np.frombuffer(blob, _LE_I32)
+def _i32_swapped(blob: bytes) -> Any:
     return np.frombuffer(blob, _LE_I32).astype(np.int32, copy=False)
+
+
+def _i32_native(blob: bytes) -> Any:  # (little-endian hosts: the generic decoder's astype is a no-op)
+    return np.frombuffer(blob, _LE_I32)
+
+
+_i32 = _i32_native if sys.byteorder == "little" else _i32_swapped
 
 
 def _i32_bytes(value: Any) -> bytes:
@@ -70,13 +73,12 @@ def _tuple(names: list[str]) -> str:
     return ", ".join(names) + ("," if len(names) == 1 else "")
 
 
-def _source(cls: type, max_room: int) -> str:
-    """The generated functions of ``cls`` as Python source."""
+def _source(cls: type, bounds: Mapping[str, tuple[int, int]]) -> str:
+    """The generated functions of ``cls`` as Python source; ``bounds``: each integer kind's range."""
     schema: tuple[tuple[str, str], ...] = cls.SCHEMA  # type: ignore[attr-defined]
     fields = [n for n, _ in schema]
     scalars = sorted((n, k) for n, k in schema if k in _SCALAR)  # (the JSON body's keys, sorted)
     binaries = [(n, k) for n, k in schema if k in _BINARY]
-    bounds = {"uint": (0, 2**64 - 1), "int": (-(2**63), 2**63 - 1), "room": (0, max_room)}
     has_reason = ("reason", "str") in scalars
 
     # Encoding: exact types only (the generic encoder writes anything else differently, or raises).
@@ -138,12 +140,30 @@ def _source(cls: type, max_room: int) -> str:
 
 class FastCodec:
     """The fast paths of a set of message types, behind the generic codec's own signatures: each
-    method returns ``None`` where the generic path must decide."""
+    method returns ``None`` where the generic path must decide. ``header`` and ``length`` are the
+    codec's structs (header part, part length), ``bounds`` its integer kinds' ranges."""
 
-    def __init__(self, types: dict[int, type], magic: bytes, version: int, max_room: int) -> None:
-        self._magic, self._version = magic, version
-        self._by_type = _fast_paths(types, magic, version, max_room)
+    def __init__(self, types: dict[int, type], magic: bytes, version: int, header: struct.Struct,
+                 length: struct.Struct, bounds: Mapping[str, tuple[int, int]]) -> None:
+        self._magic, self._version, self._header, self._bounds = magic, version, header, bounds
+        self._by_type: dict[int, FastPaths] = {}
+        for msg_type, cls in types.items():
+            if not all(k in _SCALAR or k in _BINARY for _, k in cls.SCHEMA):  # type: ignore[attr-defined]
+                continue
+            head = header.pack(magic, version, msg_type)
+            namespace: dict[str, Any] = {
+                "_HEAD": head, "_PACKED_HEAD": length.pack(len(head)) + head, "_len": length.pack,
+                "_str": encode_basestring_ascii, "_i32_bytes": _i32_bytes, "_i32": _i32, "_json": _json_scan,
+                "_new": object.__new__, "_set": object.__setattr__, "_cls": cls}
+            exec(compile(self.source(cls), f"<fastcodec {cls.__name__}>", "exec"), namespace)
+            binaries = sum(k in _BINARY for _, k in cls.SCHEMA)  # type: ignore[attr-defined]
+            self._by_type[msg_type] = FastPaths(namespace["encode_parts"], namespace["encode_frame"],
+                                                namespace["build"], binaries)
         self._by_class = {types[t]: paths for t, paths in self._by_type.items()}
+
+    def source(self, cls: type) -> str:
+        """The generated functions of ``cls``, as Python source (for reading and tests)."""
+        return _source(cls, self._bounds)
 
     def encode_parts(self, msg: Any) -> list[bytes] | None:
         fast = self._by_class.get(type(msg))
@@ -158,9 +178,9 @@ class FastCodec:
         if len(parts) < 2:
             return None
         head = bytes(parts[0])  # (as the generic path reads it: a strided or wide buffer too)
-        if len(head) != _HEADER.size:
+        if len(head) != self._header.size:
             return None
-        magic, version, msg_type = _HEADER.unpack(head)
+        magic, version, msg_type = self._header.unpack(head)
         fast = self._by_type.get(msg_type)
         if fast is None or magic != self._magic or version != self._version or len(parts) != 2 + fast.binaries:
             return None
@@ -169,25 +189,3 @@ class FastCodec:
         except RemoteProtocolError:
             return None
         return fast.build(*parts[1:])
-
-
-def _fast_paths(types: dict[int, type], magic: bytes, version: int, max_room: int) -> dict[int, FastPaths]:
-    """By message type: the generated functions of each type that has them (every field scalar or binary)."""
-    out = {}
-    for msg_type, cls in types.items():
-        if not all(k in _SCALAR or k in _BINARY for _, k in cls.SCHEMA):  # type: ignore[attr-defined]
-            continue
-        head = _HEADER.pack(magic, version, msg_type)
-        namespace: dict[str, Any] = {
-            "_HEAD": head, "_PACKED_HEAD": _LENGTH.pack(len(head)) + head, "_len": _LENGTH.pack,
-            "_str": encode_basestring_ascii, "_i32_bytes": _i32_bytes, "_i32": _i32, "_json": _json_scan,
-            "_new": object.__new__, "_set": object.__setattr__, "_cls": cls}
-        exec(compile(_source(cls, max_room), f"<fastcodec {cls.__name__}>", "exec"), namespace)
-        binaries = sum(k in _BINARY for _, k in cls.SCHEMA)  # type: ignore[attr-defined]
-        out[msg_type] = FastPaths(namespace["encode_parts"], namespace["encode_frame"], namespace["build"], binaries)
-    return out
-
-
-def source(cls: type, max_room: int = 2**63 - 1) -> str:
-    """The generated functions of ``cls``, as Python source (for reading and tests)."""
-    return _source(cls, max_room)

@@ -266,7 +266,6 @@ _FIELDS = {cls: (tuple((n, k) for n, k in cls.SCHEMA if k not in _BINARY),
 """Per message type: its scalar (body) fields and its binary fields, in frame order."""
 _JSON_OUT = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # (json.dumps builds one per call)
 _JSON_IN = json.JSONDecoder()
-_FAST = FastCodec(MESSAGE_TYPES, MAGIC, PROTOCOL_VERSION, MAX_ROOM)
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -386,6 +385,7 @@ def _scalar(cls_name: str, name: str, kind: str, value: Any) -> Any:
 
 
 _INT_RANGES = {"uint": (0, 2**64 - 1), "room": (0, MAX_ROOM), "int": (-(2**63), 2**63 - 1)}
+_FAST = FastCodec(MESSAGE_TYPES, MAGIC, PROTOCOL_VERSION, _HEADER, _LENGTH, _INT_RANGES)
 
 
 def _checked_scalar(cls_name: str, name: str, kind: str, value: Any) -> Any:

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asynckv.errors import RemoteProtocolError
-from asynckv.proto import fastcodec
 from asynckv.proto import messages as m
 from asynckv.proto.messages import MESSAGE_TYPES, Register, Status, TransferInfo, decode, encode, pack, unpack
 from asynckv.proto.wire_limits import MAX_REASON_CHARS, MAX_STR_CHARS
@@ -182,7 +181,7 @@ def test_pages_decode_as_read_only_little_endian_int32_either_way() -> None:
 
 def test_the_generated_source_is_readable_python_for_each_fast_type() -> None:
     for cls in FAST_TYPES:
-        text = fastcodec.source(cls)
+        text = m._FAST.source(cls)
         compile(text, cls.__name__, "exec")
         assert "def encode_frame(msg):" in text and "def build(raw" in text
 
