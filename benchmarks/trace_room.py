@@ -34,6 +34,8 @@ from asynckv.service import manager as manager_mod
 from asynckv.service.writes import WriteBuilder
 from asynckv.testing import fill_pages, verify_pages
 from asynckv.transport import control as control_mod
+from asynckv.transport import stream as stream_mod
+from asynckv.transport import stream_conns
 from asynckv.transport.nixl import NixlDataPlane
 from asynckv.transport.nixl_engine import NixlEngine
 
@@ -45,20 +47,21 @@ ITEM = 32 * 1024
 STAGES = [
     ("start", "decode: receiver created, init() called"),
     ("ti_send", "decode: TransferInfo given to the control channel"),
-    ("ti_zmq", "decode: TransferInfo handed to ZMQ"),
+    ("ti_zmq", "decode: TransferInfo handed to the socket (ZMQ's, or the TCP transport)"),
     ("ti_readable", "prefill: control socket readable (loop woke)"),
-    ("ti_recv", "prefill: TransferInfo received from ZMQ"),
+    ("ti_recv", "prefill: TransferInfo read from the socket"),
     ("ti_decoded", "prefill: TransferInfo decoded"),
     ("ti_handled", "prefill: core handled it (sender ready)"),
     ("build", "prefill: send() reached the write builder"),
     ("post", "prefill: descriptors built, posted to a lane"),
     ("engine", "engine thread: took the post"),
+    ("engine_last", "engine threads: the last lane took its part"),
     ("copied", "engine thread: transfer() returned (bytes copied)"),
     ("copied_last", "engine threads: the last lane's transfer() returned"),
     ("settled", "prefill loop: settle taken from the engine"),
     ("settled_last", "prefill loop: the last lane's settle taken"),
     ("st_send", "prefill: Status given to the control channel"),
-    ("st_zmq", "prefill: Status handed to ZMQ"),
+    ("st_zmq", "prefill: Status handed to the socket"),
     ("st_readable", "decode: control socket readable (loop woke)"),
     ("st_decoded", "decode: Status decoded"),
     ("st_handled", "decode: core handled it (room done)"),
@@ -69,7 +72,8 @@ STAGES = [
 class _Trace:
     """First time each stage is passed in the current room."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str = "zmq") -> None:
+        self.transport = transport
         self.marks: dict[str, float] = {}
         self.roles: dict[int, str] = {}  # id(control channel) -> "prefill" / "decode"
         self._undo: list[Callable[[], None]] = []
@@ -114,16 +118,22 @@ class _Trace:
         def by_mgr(prefill: str, decode: str) -> Callable[..., str | None]:
             return lambda mgr, *_: prefill if mgr.mode.value == "prefill" else decode
 
-        channel = control_mod.ControlChannel
+        if self.transport == "zmq":
+            channel: Any = control_mod.ControlChannel
+            self.wrap(control_mod, "_send_now", after=handed)
+            self.wrap(channel, "_on_readable", before=by_role("ti_readable", "st_readable"))
+        else:
+            channel = stream_mod.StreamChannel
+            self.wrap(stream_conns.Outbound, "send", after=handed)
+            self.wrap(stream_conns.Inbound, "data_received",
+                      before=lambda conn, *_: by_role("ti_readable", "st_readable")(conn._ch))
         self.wrap(channel, "send", before=send)
-        self.wrap(control_mod, "_send_now", after=handed)
-        self.wrap(channel, "_on_readable", before=by_role("ti_readable", "st_readable"))
         self.wrap(channel, "_handle", before=lambda ch, *_: "ti_recv" if roles.get(id(ch)) == "prefill" else None)
         self.wrap(manager_mod.KVManager, "_on_message", before=by_mgr("ti_decoded", "st_decoded"),
                   after=by_mgr("ti_handled", "st_handled"))
         self.wrap(WriteBuilder, "build", before=lambda *_: "build")
         self.wrap(NixlDataPlane, "post", before=lambda *_: "post")
-        self.wrap(NixlEngine, "_start", before=lambda *_: "engine", after=self._last("copied"))
+        self.wrap(NixlEngine, "_start", before=self._last("engine"), after=self._last("copied"))
         self.wrap(NixlDataPlane, "_on_loop", before=self._last("settled"))
 
     def _last(self, stage: str) -> Callable[..., None]:
@@ -138,15 +148,15 @@ class _Trace:
             self._undo.pop()()
 
 
-async def measure(rooms: int, pages: int = 1, interleave: bool = False,
-                  lanes: int | None = None) -> tuple[list[dict[str, object]], float, float | None]:
-    trace = _Trace()
+async def measure(rooms: int, pages: int = 1, interleave: bool = False, lanes: int | None = None,
+                  transport: str = "zmq") -> tuple[list[dict[str, object]], float, float | None]:
+    trace = _Trace(transport)
     trace.install()  # (before the managers start: some hooks are bound then)
     timelines: list[dict[str, float]] = []
     raw_s: list[float] = []
     try:
         lane_cfg = {} if lanes is None else {"write_lanes": lanes}
-        async with pair(2, max(64, 2 * pages), ITEM, control_transport="zmq", **lane_cfg) as (p, d):
+        async with pair(2, max(64, 2 * pages), ITEM, control_transport=transport, **lane_cfg) as (p, d):
             trace.roles.update({id(p._control): "prefill", id(d._control): "decode"})
             src, dst = np.arange(pages), np.arange(pages) + max(20, pages)
             ppool, dpool = p._bench_pools  # type: ignore[attr-defined]
@@ -201,12 +211,14 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser.add_argument("--interleave", action="store_true",
                         help="between rooms, a raw NIXL write of the same pages and a page fill, as Q1 does")
     parser.add_argument("--lanes", type=int, default=None, help="prefill's write lanes (default: Config's)")
+    parser.add_argument("--transport", choices=("zmq", "stream"), default="zmq",
+                        help="the control channel (zmq, which this trace was written for, or stream, the default's)")
     args = parser.parse_args(argv)
     if args.pages < 1:
         parser.error("--pages must be at least 1")
     print(f"Room trace: where a {args.pages}-page room's time goes (both managers in one process"
           f"{'; a raw NIXL write and a page fill between rooms' if args.interleave else ''}):")
-    rows, total, raw_ms = asyncio.run(measure(args.rooms, args.pages, args.interleave, args.lanes))
+    rows, total, raw_ms = asyncio.run(measure(args.rooms, args.pages, args.interleave, args.lanes, args.transport))
     for r in rows:
         print(f"  {r['at_ms']:7.3f} ms  (+{r['gap_ms']:6.3f})  {r['what']}")
     print(f"  median room {total:.3f} ms" + (f"; raw NIXL's write of the same pages {raw_ms:.3f} ms "

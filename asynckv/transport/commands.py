@@ -12,7 +12,8 @@ from typing import Any
 from ..errors import AsyncKVError, PeerUnreachable, TransportError
 from .base import Write
 
-__all__ = ["Call", "Cancel", "Command", "DRAIN_BATCH", "Forget", "Outbox", "PostCmd", "map_nixl_error"]
+__all__ = ["Call", "Cancel", "Command", "DRAIN_BATCH", "Forget", "Outbox", "PostCmd", "Relay", "hand_on",
+           "map_nixl_error"]
 
 
 def map_nixl_error(exc: BaseException, what: str) -> BaseException:
@@ -74,7 +75,22 @@ class Forget:
     peer: str
 
 
-Command = Call | PostCmd | Cancel | Forget | None
+@dataclasses.dataclass(slots=True)
+class Relay:
+    """Commands for other engines, which the engine thread that takes this one hands on at once, in
+    order (``lanes.py``: a thread woken by a running engine thread rather than by the loop finds a
+    free core). Each target's ``accept`` takes its command from any thread."""
+    items: tuple[tuple[Any, Command], ...]
+    """(target engine, command) pairs."""
+
+
+Command = Call | PostCmd | Cancel | Forget | Relay | None
+
+
+def hand_on(relay: Relay) -> None:
+    """Give each of ``relay``'s commands to its engine, in order (from any thread)."""
+    for target, cmd in relay.items:
+        target.accept(cmd)
 
 
 DRAIN_BATCH = 4

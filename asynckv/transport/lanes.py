@@ -25,6 +25,17 @@ lease and cancel checked before each handle), so a cancelled or lease-lapsed wri
 land at most one handle per lane. A write with a notification (SGLang's wire) is never split:
 the notification goes once all of it landed. Posts of one room may land in any order, as they
 already could over TCP. Peers are connected, leased, warmed up and forgotten on every lane.
+On a host with no more cores than lanes, the other parts of a split write reach their lanes through
+the first lane's thread when that lane is idle (``Relay``): it hands them on as it wakes, before its
+own copy. Woken by the loop, the second thread often found both cores taken (the loop still running,
+the first lane starting to copy) and waited in the run queue behind that copy, which the kernel does
+not preempt, while the loop's core then sat idle: traced on the 2-vCPU VM (``perf sched``), the
+second lane started 0.6-0.7 ms after the first in most 16 MiB rooms, so the two halves copied one
+after the other. Woken by the first lane once the loop has gone back to its poll, it finds that core
+free: 0.05-0.07 ms apart, and a 16 MiB room took 1.76-1.82 ms instead of 2.18-2.27 (interleaved
+runs of ``benchmarks/trace_room.py``). A post reaches its lane after a cancel sent to that lane
+directly; the cancel's mark therefore stays until the post's settle reaches the loop. Where there
+are more cores than lanes, each woken thread finds one, and the relay would only delay the others.
 Lane 0's agent carries the manager's name; lane ``i`` is ``<name>.<i>`` (a decode never loads
 a prefill's metadata, and SGLang's decode matches notifications by their text, not their
 sender; asynckv's SGLang decode core counts a writer's lanes as the writer).
@@ -34,26 +45,38 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .base import U64, MemoryLayout, Notified, PreppedPiece, Settled, Write
 from .nixl import NixlDataPlane
 
-__all__ = ["SMALL_POST_BYTES", "SMALL_POST_DESCRIPTORS", "LanedDataPlane"]
+__all__ = ["SMALL_POST_BYTES", "SMALL_POST_DESCRIPTORS", "LanedDataPlane", "usable_cpus"]
 
 SMALL_POST_BYTES, SMALL_POST_DESCRIPTORS = 1 << 20, 256
 """A post under both goes whole to the first live lane with no large post unsettled (lane 0,
 mostly): the other lanes' threads stay asleep (see the module docstring)."""
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity masks on this OS)
+        return os.cpu_count() or 1
+
+
 class LanedDataPlane:
     """``DataPlane`` over ``lanes`` NIXL engines; posts are spread, everything else goes to all."""
 
-    def __init__(self, lanes: Sequence[NixlDataPlane]) -> None:
+    def __init__(self, lanes: Sequence[NixlDataPlane], relay: bool | None = None) -> None:
         if not lanes:
             raise ValueError("a laned data plane needs at least one lane")
         self.lanes = tuple(lanes)
+        self.relay = usable_cpus() <= len(self.lanes) if relay is None else relay
+        """Whether a split write's other parts go through its first lane's thread when that lane is
+        idle (see the module docstring); by default where the lanes' threads outnumber no core."""
         self.on_settled: Settled = lambda batch: None
         self._owner: dict[int, int] = {}
         """post id -> lane, until it settles (cancels go to that lane only)."""
@@ -74,8 +97,9 @@ class LanedDataPlane:
             lane.on_settled = self._settled_on(i)
 
     @classmethod
-    def make(cls, name: str, count: int, factory: Callable[[str], NixlDataPlane]) -> LanedDataPlane:
-        return cls([factory(name if i == 0 else f"{name}.{i}") for i in range(count)])
+    def make(cls, name: str, count: int, factory: Callable[[str], NixlDataPlane],
+             relay: bool | None = None) -> LanedDataPlane:
+        return cls([factory(name if i == 0 else f"{name}.{i}") for i in range(count)], relay)
 
     @property
     def name(self) -> str:
@@ -142,15 +166,19 @@ class LanedDataPlane:
         # Its handles go round-robin to several lanes, as parts that settle it together.
         parts = [p for p in (write.pieces[i::len(alive)] for i in range(len(alive))) if p]
         group = _Split(post_id, len(parts))
-        self._parts[post_id] = []
-        for lane, pieces in zip(self._pick(alive, len(parts)), parts, strict=True):
-            part_id = next(self._part_ids)
+        ids = self._parts[post_id] = [next(self._part_ids) for _ in parts]
+        chosen = self._pick(alive, len(parts))
+        carrier = self.lanes[chosen[0]] if self.relay and self._load[chosen[0]] == 0 else None
+        shares = []
+        for pieces, part_id in zip(parts, ids, strict=True):
             self._split[part_id] = group
-            self._parts[post_id].append(part_id)
             descs = sum(len(p.src_idx) if isinstance(p, PreppedPiece) else len(p.src) for p in pieces)
-            share = Write(pieces, descs, -(-write.nbytes * descs // max(1, write.descriptors)))  # (its own pieces'
-            # count, and bytes by it: merged shares keep the bounds on one handle, but for an aux row on the last)
-            self._post_on(lane, part_id, peer, share, timeout_s, big)
+            # (its own pieces' count, and bytes by it: merged shares keep the bounds on one handle, but for an aux
+            # row on the last)
+            shares.append(Write(pieces, descs, -(-write.nbytes * descs // max(1, write.descriptors))))
+        # Relayed parts first: the carrier hands them on before it starts its own (see the module docstring).
+        for i in [*range(1, len(parts)), 0] if carrier is not None else range(len(parts)):
+            self._post_on(chosen[i], ids[i], peer, shares[i], timeout_s, big, via=carrier if i else None)
 
     def _least_loaded(self) -> int:
         """``_pick(live lanes, 1)`` without building the lists (it runs once per post)."""
@@ -173,13 +201,17 @@ class LanedDataPlane:
         self._next = (chosen[-1] + 1) % n
         return chosen
 
-    def _post_on(self, lane: int, post_id: int, peer: str, write: Write, timeout_s: float, big: bool = False) -> None:
+    def _post_on(self, lane: int, post_id: int, peer: str, write: Write, timeout_s: float, big: bool = False,
+                 via: NixlDataPlane | None = None) -> None:
         self._load[lane] += 1
         self._owner[post_id] = lane
         if big:
             self._big[lane] += 1
             self._bigs.add(post_id)
-        self.lanes[lane].post(post_id, peer, write, timeout_s)
+        if via is None:
+            self.lanes[lane].post(post_id, peer, write, timeout_s)
+        else:
+            self.lanes[lane].relay_post(via, post_id, peer, write, timeout_s)
 
     def cancel(self, post_ids: Sequence[int], reason: BaseException) -> None:
         by_lane: dict[int, list[int]] = {}

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ClosedError, TransportError
 from .base import U64, DescPiece, MemoryLayout, Write
-from .commands import DRAIN_BATCH, Call, Cancel, Command, Forget, Outbox, PostCmd, map_nixl_error
+from .commands import DRAIN_BATCH, Call, Cancel, Command, Forget, Outbox, PostCmd, Relay, hand_on, map_nixl_error
 from .merging import members
 from .nixl_engine import NixlEngine
 
@@ -76,10 +76,30 @@ class NixlDataPlane(NixlEngine):
             return
         self._put(PostCmd(post_id, peer, write, timeout_s))
 
+    def relay_post(self, carrier: NixlDataPlane, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
+        """``post``, but ``carrier``'s engine thread hands the command over as it takes it (``lanes.py``);
+        the caller then posts to ``carrier`` itself. ``carrier`` must be alive (checked on the loop:
+        once its thread ends, its last drain hands on what it holds)."""
+        if self._closed or not self.alive:
+            self.post(post_id, peer, write, timeout_s)  # (settles at once, with the reason)
+            return
+        carrier._put(Relay(((self, PostCmd(post_id, peer, write, timeout_s)),)))
+
     def cancel(self, post_ids: Sequence[int], reason: BaseException) -> None:
+        """Stop ``post_ids``. The mark stays until the post's settle reaches the loop, so a post that
+        reaches the engine after its cancel (``relay_post``) is refused when it gets there."""
         for post_id in post_ids:
             self._cancelled[post_id] = reason
         self._put(Cancel(tuple(post_ids), reason))
+
+    def accept(self, cmd: Command) -> None:
+        """Take ``cmd`` handed on by another engine (``Relay``), from any thread: it runs, or settles
+        with the orphans if this engine's thread has ended (or is ending: its last drain may have run
+        before the put, so the check comes after it)."""
+        self._commands.put(cmd)
+        if not self._running and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop may be closed already)
+                self._loop.call_soon_threadsafe(self._settle_orphans)
 
     def set_lease(self, peer: str, until: float) -> None:
         self._leases[peer] = until
@@ -171,6 +191,9 @@ class NixlDataPlane(NixlEngine):
             except queue.Empty:
                 break
         for cmd in orphans:
+            if isinstance(cmd, Relay):  # (another engine's commands: they go on to it, in order)
+                hand_on(cmd)
+                continue
             if isinstance(cmd, PostCmd) and cmd.handle is not None and cmd.fut is None:
                 self.settled_in_flight.add(cmd.post_id)  # (whatever UCX still does with it)
             fut = getattr(cmd, "fut", None)
@@ -186,9 +209,11 @@ class NixlDataPlane(NixlEngine):
 
     def _on_loop(self, done: list[tuple[Any, Any, BaseException | None]]) -> None:
         """On the loop: resolve the calls' futures, hand the posts' settles to ``on_settled``."""
-        settled = []
+        settled, cancelled = [], self._cancelled
         for fut, value, error in done:
             if fut is None:
+                if cancelled:  # (a cancel that met its post settled: the engine left the mark to us)
+                    cancelled.pop(value, None)
                 settled.append((value, error))
             elif not fut.done():
                 if error is not None:

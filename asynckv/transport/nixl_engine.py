@@ -43,7 +43,7 @@ from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError, Transfer
 from ..proto.topology import check_metadata_name
 from .agent import keep_until_exit, nixl_agent
 from .base import U64, DescPiece, MemoryLayout, Notified, PreppedPiece, Settled
-from .commands import Cancel, Command, Forget, Outbox, PostCmd, map_nixl_error
+from .commands import Cancel, Command, Forget, Outbox, PostCmd, Relay, hand_on, map_nixl_error
 from .merging import MERGE_MAX_BYTES, MERGE_MAX_DESCS, members, merge_run
 
 __all__ = ["NixlEngine"]
@@ -257,6 +257,8 @@ class NixlEngine:
                     self._apply_cancel(cmd, done)
                 elif isinstance(cmd, Forget):
                     self._forget(cmd.peer, done)
+                elif isinstance(cmd, Relay):
+                    hand_on(cmd)
                 else:
                     try:
                         done.append((cmd.fut, cmd.fn(*cmd.args), None))
@@ -354,14 +356,10 @@ class NixlEngine:
                                      agent.get_xfer_descs(piece.dst, piece.dst_kind), peer)
 
     def _apply_cancel(self, cmd: Cancel, done: list[Any]) -> None:
-        in_flight = {post.post_id for post in members(self._in_flight)}
         for post in self._in_flight:  # (their handles cannot be stopped: they settle when done; the first stop wins)
             for m in post.members or (post,):
                 if m.post_id in self._cancelled:
                     m.stop = m.stop or post.stop or cmd.reason
-        for post_id in cmd.post_ids:  # cancels of posts that settled meanwhile
-            if post_id not in in_flight:
-                self._cancelled.pop(post_id, None)
 
     def _check_in_flight(self, now: float, done: list[Any]) -> None:
         still, posts, i = [], self._in_flight, 0

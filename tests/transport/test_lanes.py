@@ -17,10 +17,11 @@ from asynckv.transport.nixl import NixlDataPlane
 from .test_nixl_plane import FakeAgent, prepped, rows, until
 
 
-async def laned(agents: list[FakeAgent]) -> tuple[LanedDataPlane, list[tuple[int, BaseException | None]]]:
+async def laned(agents: list[FakeAgent], relay: bool | None = None) -> tuple[
+        LanedDataPlane, list[tuple[int, BaseException | None]]]:
     made = iter(agents)
     plane = LanedDataPlane.make("me", len(agents), lambda name: NixlDataPlane(
-        name, agent_factory=lambda n, b: next(made)))
+        name, agent_factory=lambda n, b: next(made)), relay)
     settled: list[tuple[int, BaseException | None]] = []
     plane.on_settled = settled.extend
     await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
@@ -302,11 +303,12 @@ async def test_a_plane_whose_engine_thread_died_settles_posts_at_once() -> None:
     await plane.close()
 
 
-async def test_a_write_of_several_handles_is_split_over_the_lanes_and_settles_once() -> None:
+@pytest.mark.parametrize("relay", [False, True])
+async def test_a_write_of_several_handles_is_split_over_the_lanes_and_settles_once(relay: bool) -> None:
     """Its handles go round-robin to both lanes (copying at once); it settles when both parts did,
     with the first error, and a cancel reaches both parts."""
     a, b = FakeAgent(), FakeAgent()
-    plane, settled = await laned([a, b])
+    plane, settled = await laned([a, b], relay)
     four = prepped()
     plane.post(1, "peer", Write(four.pieces * 4, 8, SMALL_POST_BYTES), 30.0)
     await until(lambda: transfers(a) == 1 and transfers(b) == 1)  # one handle in flight per lane
@@ -328,12 +330,13 @@ async def test_a_write_of_several_handles_is_split_over_the_lanes_and_settles_on
     await plane.close()
 
 
-async def test_a_split_write_with_one_part_stuck_past_its_deadline_reports_its_handle_in_flight() -> None:
+@pytest.mark.parametrize("relay", [False, True])
+async def test_a_split_write_with_one_part_stuck_past_its_deadline_reports_its_handle_in_flight(relay: bool) -> None:
     """A cancelled split write: one part's handle finishes (it settles with the cancel), the other
     stays in flight past the deadline. The write's one error must still say a handle is in flight
     (the prefill must not reuse a staging run that handle may still read)."""
     a, b = FakeAgent(), FakeAgent()
-    plane, settled = await laned([a, b])
+    plane, settled = await laned([a, b], relay)
     reason = RemoteProtocolError("aborted")  # (the cores cancel a room's posts with one shared reason)
     plane.post(1, "peer", Write(prepped().pieces * 2, 4, SMALL_POST_BYTES), 1.0)  # (0.3 s: lane 1's deadline
     # came first in 1 of 40 runs on a busy 2-core machine, and its timeout was then the write's first error)
