@@ -32,7 +32,7 @@ from . import (
 from ._common import RESULTS
 from .report import render, render_scaling
 
-FULL: dict[str, list[str]] = {"throughput": [], "small": [], "concurrency": [], "kernels": [], "idle": [],
+FULL: dict[str, list[str]] = {"throughput": ["--reps", "9"], "small": [], "concurrency": [], "kernels": [], "idle": [],
                               "first_contact": [], "head_slice": [], "sglang": [],
                               "sglang_poll": [], "scaling": [], "hetero_tp": [], "control": [], "sim": [], "trace": []}
 SMOKE: dict[str, list[str]] = {

@@ -26,16 +26,17 @@ land at most one handle per lane. A write with a notification (SGLang's wire) is
 the notification goes once all of it landed. Posts of one room may land in any order, as they
 already could over TCP. Peers are connected, leased, warmed up and forgotten on every lane.
 On a host with no more cores than lanes, the other parts of a split write reach their lanes through
-the first lane's thread when that lane is idle (``Relay``): it hands them on as it wakes, before its
-own copy. Woken by the loop, the second thread often found both cores taken (the loop still running,
-the first lane starting to copy) and waited in the run queue behind that copy, which the kernel does
-not preempt, while the loop's core then sat idle: traced on the 2-vCPU VM (``perf sched``), the
-second lane started 0.6-0.7 ms after the first in most 16 MiB rooms, so the two halves copied one
-after the other. Woken by the first lane once the loop has gone back to its poll, it finds that core
-free: 0.05-0.07 ms apart, and a 16 MiB room took 1.76-1.82 ms instead of 2.18-2.27 (interleaved
-runs of ``benchmarks/trace_room.py``). A post reaches its lane after a cancel sent to that lane
-directly; the cancel's mark therefore stays until the post's settle reaches the loop. Where there
-are more cores than lanes, each woken thread finds one, and the relay would only delay the others.
+the first lane's thread when that lane is idle, with no post unsettled and no call pending
+(``Relay``): it hands them on as it wakes, before its own copy. Woken by the loop, the second thread
+often found both cores taken (the loop still running, the first lane starting to copy) and waited in
+the run queue behind that copy, which the kernel does not preempt, while the loop's core then sat
+idle: traced on the 2-vCPU VM (``perf sched``), the second lane started 0.6-0.7 ms after the first
+in most 16 MiB rooms, so the two halves copied one after the other. Woken by the first lane once the
+loop has gone back to its poll, it finds that core free: 0.05-0.07 ms apart, and a 16 MiB room took
+1.76-1.82 ms instead of 2.18-2.27 (interleaved runs of ``benchmarks/trace_room.py``). A part reaches
+its lane after a cancel or a ``forget_peer`` sent to that lane directly; their marks therefore stay
+until the post's settle reaches the loop (``NixlDataPlane``). Where there are more cores than lanes,
+each woken thread finds one, and the relay would only delay the others.
 Lane 0's agent carries the manager's name; lane ``i`` is ``<name>.<i>`` (a decode never loads
 a prefill's metadata, and SGLang's decode matches notifications by their text, not their
 sender; asynckv's SGLang decode core counts a writer's lanes as the writer).
@@ -168,7 +169,8 @@ class LanedDataPlane:
         group = _Split(post_id, len(parts))
         ids = self._parts[post_id] = [next(self._part_ids) for _ in parts]
         chosen = self._pick(alive, len(parts))
-        carrier = self.lanes[chosen[0]] if self.relay and self._load[chosen[0]] == 0 else None
+        first = self.lanes[chosen[0]]
+        carrier = first if self.relay and self._load[chosen[0]] == 0 and not first.calls_pending else None
         shares = []
         for pieces, part_id in zip(parts, ids, strict=True):
             self._split[part_id] = group

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ClosedError, TransportError
+from ..errors import ClosedError, PeerUnreachable, TransportError
 from .base import U64, DescPiece, MemoryLayout, Write
 from .commands import DRAIN_BATCH, Call, Cancel, Command, Forget, Outbox, PostCmd, Relay, hand_on, map_nixl_error
 from .merging import members
@@ -35,6 +35,14 @@ def _result_key(fut: Any, post_id: Any) -> tuple[str, int]:
 
 class NixlDataPlane(NixlEngine):
     """A NIXL agent plus the thread that owns it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._posted: dict[int, str] = {}
+        """Posts handed over and not yet settled (id -> peer), on the loop: only these take a cancel mark
+        (one for any other would stay for ever), and forgetting a peer marks its own."""
+        self.calls_pending = 0
+        """Calls and warm-ups the engine has not answered yet (``lanes.py`` relays through no lane busy with one)."""
 
     @property
     def alive(self) -> bool:
@@ -74,6 +82,7 @@ class NixlDataPlane(NixlEngine):
         if not self.alive:  # its engine thread died: nothing would ever take the post
             self._settle_soon([(post_id, TransportError(f"data plane {self.name[:8]}: engine thread is dead"))])
             return
+        self._posted[post_id] = peer
         self._put(PostCmd(post_id, peer, write, timeout_s))
 
     def relay_post(self, carrier: NixlDataPlane, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
@@ -83,14 +92,19 @@ class NixlDataPlane(NixlEngine):
         if self._closed or not self.alive:
             self.post(post_id, peer, write, timeout_s)  # (settles at once, with the reason)
             return
+        self._posted[post_id] = peer
         carrier._put(Relay(((self, PostCmd(post_id, peer, write, timeout_s)),)))
 
     def cancel(self, post_ids: Sequence[int], reason: BaseException) -> None:
-        """Stop ``post_ids``. The mark stays until the post's settle reaches the loop, so a post that
-        reaches the engine after its cancel (``relay_post``) is refused when it gets there."""
+        """Stop those of ``post_ids`` not yet settled. The mark stays until the post's settle reaches the
+        loop, so a post that reaches the engine after its cancel (``relay_post``) is refused there."""
+        posted, marked = self._posted, []
         for post_id in post_ids:
-            self._cancelled[post_id] = reason
-        self._put(Cancel(tuple(post_ids), reason))
+            if post_id in posted:
+                self._cancelled[post_id] = reason
+                marked.append(post_id)
+        if marked:
+            self._put(Cancel(tuple(marked), reason))
 
     def accept(self, cmd: Command) -> None:
         """Take ``cmd`` handed on by another engine (``Relay``), from any thread: it runs, or settles
@@ -105,7 +119,13 @@ class NixlDataPlane(NixlEngine):
         self._leases[peer] = until
 
     def forget_peer(self, peer: str) -> None:
+        """Its posts settle with an error; those not started start nothing (one relayed to this engine
+        may arrive after the peer has been connected anew: it must not copy into that connection)."""
         self._leases.pop(peer, None)  # here, not on the engine thread: a later session's lease is set after
+        reason = PeerUnreachable(f"peer {peer[:8]} forgotten")
+        for post_id, to in self._posted.items():
+            if to == peer:
+                self._cancelled.setdefault(post_id, reason)
         self._put(Forget(peer))
 
     async def close(self) -> None:
@@ -146,7 +166,13 @@ class NixlDataPlane(NixlEngine):
             raise ClosedError(f"data plane {self.name} is closed")
         if not self._running:  # (nothing would take the command: a connect to a dead lane waited for ever)
             raise TransportError(f"data plane {self.name[:8]}: engine thread is dead")
-        return self._loop.create_future()
+        fut = self._loop.create_future()
+        self.calls_pending += 1
+        fut.add_done_callback(self._answered)
+        return fut
+
+    def _answered(self, fut: asyncio.Future[Any]) -> None:
+        self.calls_pending -= 1
 
     def _put(self, cmd: Command) -> None:
         self._commands.put(cmd)
@@ -209,11 +235,9 @@ class NixlDataPlane(NixlEngine):
 
     def _on_loop(self, done: list[tuple[Any, Any, BaseException | None]]) -> None:
         """On the loop: resolve the calls' futures, hand the posts' settles to ``on_settled``."""
-        settled, cancelled = [], self._cancelled
+        settled = []
         for fut, value, error in done:
             if fut is None:
-                if cancelled:  # (a cancel that met its post settled: the engine left the mark to us)
-                    cancelled.pop(value, None)
                 settled.append((value, error))
             elif not fut.done():
                 if error is not None:
@@ -221,10 +245,20 @@ class NixlDataPlane(NixlEngine):
                 else:
                     fut.set_result(value)
         if settled:
-            self.on_settled(settled)
+            self._report(settled)
+
+    def _report(self, settled: list[tuple[int, BaseException | None]]) -> None:
+        """Hand settles to ``on_settled``, first dropping what the loop kept for those posts (a cancel
+        that met its post settled: the engine left the mark to us)."""
+        posted, cancelled = self._posted, self._cancelled
+        for post_id, _ in settled:
+            posted.pop(post_id, None)
+            if cancelled:
+                cancelled.pop(post_id, None)
+        self.on_settled(settled)
 
     def _settle_soon(self, batch: list[tuple[int, BaseException | None]]) -> None:
         if self._loop is not None:
-            self._loop.call_soon(self.on_settled, batch)
+            self._loop.call_soon(self._report, batch)
 
     # -- engine thread: set-up and teardown ---------------------------------------------------

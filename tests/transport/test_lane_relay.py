@@ -46,6 +46,30 @@ class Held:
         await self.task
 
 
+class HeldInProgress:
+    """Holds a lane's engine thread in its next progress call (``get_new_notifs``, as UCX's progress
+    can take a while) until released: the lane stays idle to the loop (no post, no call pending)."""
+
+    def __init__(self, agent: FakeAgent) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = agent.get_new_notifs
+
+        def notifs() -> dict[str, list[bytes]]:
+            if not self.release.is_set():
+                self.entered.set()
+                if not self.release.wait(5):
+                    raise AssertionError("never released")
+            return dict(real())
+        agent.get_new_notifs = notifs  # type: ignore[method-assign]
+
+    async def held(self) -> HeldInProgress:
+        await until(self.entered.is_set)
+        return self
+
+    async def let_go(self) -> None:
+        self.release.set()
+
+
 def record_accepts(plane: LanedDataPlane, seen: list[Any] | None = None) -> list[Any]:
     """(lane, name of the thread that handed the command on) for every relayed command."""
     seen = [] if seen is None else seen
@@ -113,13 +137,13 @@ async def test_a_cancel_that_reaches_a_lane_before_its_relayed_part_still_stops_
     a, b = FakeAgent(), FakeAgent()
     a.finish = b.finish = True
     plane, settled = await laned([a, b], relay=True)
-    holds = [await Held(lane).held() for lane in plane.lanes]  # both threads held: nothing moves yet
+    carrier = await HeldInProgress(a).held()  # lane 0's thread held: the part it carries stays in its queue
     plane.post(1, "peer", split_write(), 30.0)  # lane 0 carries lane 1's part
     reason = RemoteProtocolError("aborted")
     plane.cancel([1], reason)
-    await holds[1].let_go()
     await plane.lanes[1].call(lambda agent: None)  # lane 1 has taken the cancel: its part has not come yet
-    await holds[0].let_go()  # lane 0 hands the part on, then takes its own
+    assert transfers(b) == 0 and plane.lanes[1]._cancelled  # (its mark kept for the part to come)
+    carrier.release.set()  # lane 0 hands the part on, then takes its own
     await until(lambda: len(settled) == 1)
     assert settled == [(1, reason)] and transfers(a) == transfers(b) == 0  # neither part copied
     assert [lane._cancelled for lane in plane.lanes] == [{}, {}]  # and no mark stays behind
@@ -167,10 +191,10 @@ async def test_a_relayed_part_settles_once_when_the_carrier_or_its_lane_dies_bef
             return dict(real())
         agent.get_new_notifs = notifs  # type: ignore[method-assign]
     plane, settled = await laned([a, b], relay=True)
-    hold = await Held(plane.lanes[0]).held()
+    hold = await HeldInProgress(a).held()  # (wrapped over the killable progress call: it holds first)
     plane.post(1, "peer", split_write(), 30.0)  # the part for lane 1 waits in lane 0's queue
     if who == "carrier":
-        kill["a"] = True  # lane 0 dies at the end of the held round, before it hands anything on
+        kill["a"] = True  # lane 0 dies as the held progress call goes on, before it hands anything on
     else:
         kill["b"] = True  # lane 1 dies now; lane 0 hands the part on to it afterwards
         await ended(plane.lanes[1])
@@ -181,7 +205,6 @@ async def test_a_relayed_part_settles_once_when_the_carrier_or_its_lane_dies_bef
     if who == "carrier":
         assert transfers(b) == 1  # lane 1 still got its part, and copied it
     assert plane._owner == {} and plane._load == [0, 0] and plane._split == {} and plane._parts == {}
-    await hold.task
     await plane.close()
     await asyncio.sleep(0.01)
     assert len(settled) == 1  # once
