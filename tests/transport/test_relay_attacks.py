@@ -46,6 +46,19 @@ def clean(plane: LanedDataPlane) -> None:
     assert [lane._in_flight for lane in plane.lanes] == [[]] * len(plane.lanes)
 
 
+async def copying_pair() -> tuple[FakeAgent, FakeAgent, LanedDataPlane, list[Any]]:
+    """Two lanes with relay on, whose copies complete inside transfer()."""
+    a, b = FakeAgent(), FakeAgent()
+    a.finish = b.finish = True
+    plane, settled = await laned([a, b], relay=True)
+    return a, b, plane, settled
+
+
+async def closed_clean(plane: LanedDataPlane) -> None:
+    await plane.close()
+    clean(plane)
+
+
 async def once(settled: list[Any], ids: list[int]) -> None:
     await until(lambda: sorted(p for p, _ in settled) == sorted(ids))
     await asyncio.sleep(0.02)  # (a second settle would show up here)
@@ -71,7 +84,8 @@ async def test_a_single_planes_cancel_of_a_settled_or_unknown_post_leaves_no_mar
 
 async def test_a_cancel_from_on_settled_of_a_post_settled_in_the_same_batch_leaves_no_mark() -> None:
     """The realistic path: the core fails a room on its first settle and cancels the room's other
-    posts, one of which settled in the same batch (_on_loop popped marks before calling on_settled)."""
+    posts, one of which settled in the same batch: its mark used to stay (marks were dropped before
+    on_settled ran; now a settled post takes none)."""
     agent = FakeAgent()
     plane, settled = await started(agent)
     reason = RemoteProtocolError("room failed")
@@ -94,7 +108,8 @@ async def test_a_cancel_from_on_settled_of_a_post_settled_in_the_same_batch_leav
 
 @DIES
 async def test_a_cancelled_relayed_part_settling_with_a_dead_lanes_orphans_leaves_no_mark() -> None:
-    """The part settles through the dead lane's orphans (_settle_soon), which never reach _on_loop."""
+    """The part settles through the dead lane's orphans (``_settle_soon``), past ``_on_loop``: the
+    mark used to stay there."""
     a, b = FakeAgent(), FakeAgent()
     a.finish = b.finish = True
     kill = killable(b)
@@ -137,9 +152,7 @@ async def test_a_relayed_part_of_a_forgotten_peer_never_copies_into_its_next_con
     queued on lane 1 ahead of the Forget. (The prefill core reconnects a name only once the old
     session's posts settled, ``prefill_peers._peer_progress``: this holds the data plane's own
     promise.) Lane 0 is held in its progress call, lane 1 in a call (a long copy, say)."""
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    plane, settled = await laned([a, b], relay=True)
+    a, b, plane, settled = await copying_pair()
     hold0 = await HeldInProgress(a).held()
     plane.post(1, "peer", split_write(), 30.0)  # Relay(lane 1's part) + own part wait in lane 0
     plane.forget_peer("peer")
@@ -162,9 +175,7 @@ async def test_a_relayed_part_of_a_forgotten_peer_never_copies_into_its_next_con
 
 
 async def test_cancel_after_hand_on_before_the_target_starts_it() -> None:
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    plane, settled = await laned([a, b], relay=True)
+    a, b, plane, settled = await copying_pair()
     hold1 = await Held(plane.lanes[1]).held()
     plane.post(1, "peer", split_write(), 30.0)
     await until(lambda: transfers(a) == 1)  # lane 0 handed on, then copied its own part
@@ -173,8 +184,7 @@ async def test_cancel_after_hand_on_before_the_target_starts_it() -> None:
     await hold1.let_go()
     await once(settled, [1])
     assert settled == [(1, reason)] and transfers(b) == 0
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 async def test_cancel_while_the_relayed_part_is_in_flight_lands_at_most_that_handle() -> None:
@@ -187,28 +197,22 @@ async def test_cancel_while_the_relayed_part_is_in_flight_lands_at_most_that_han
     a.finish = b.finish = True
     await once(settled, [1])
     assert settled == [(1, reason)] and transfers(a) == transfers(b) == 1
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 async def test_cancel_of_settled_and_never_posted_ids_on_the_laned_plane_leaves_no_mark() -> None:
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    plane, settled = await laned([a, b], relay=True)
+    _a, _b, plane, settled = await copying_pair()
     plane.post(1, "peer", split_write(), 30.0)
     plane.post(2, "peer", prepped(), 30.0)
     await once(settled, [1, 2])
     plane.cancel([1, 2, 3, 1 << 62], RemoteProtocolError("late"))  # (1 << 62: the first part id)
     for lane in plane.lanes:
         await lane.call(lambda agent: None)
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 async def test_close_while_the_carrier_holds_the_relay_and_the_target_has_closed() -> None:
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    plane, settled = await laned([a, b], relay=True)
+    a, b, plane, settled = await copying_pair()
     hold = await HeldInProgress(a).held()
     plane.post(1, "peer", split_write(), 30.0)
     closing = asyncio.ensure_future(plane.close())
@@ -223,9 +227,7 @@ async def test_close_while_the_carrier_holds_the_relay_and_the_target_has_closed
 
 @pytest.mark.parametrize("order", ["forget_first", "hand_on_first"])
 async def test_forget_peer_against_the_relay_in_both_orders(order: str) -> None:
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    plane, settled = await laned([a, b], relay=True)
+    a, b, plane, settled = await copying_pair()
     hold0 = await HeldInProgress(a).held()
     hold1 = await Held(plane.lanes[1]).held()
     plane.post(1, "peer", split_write(), 30.0)
@@ -241,22 +243,18 @@ async def test_forget_peer_against_the_relay_in_both_orders(order: str) -> None:
         await hold1.let_go()
     await once(settled, [1])
     assert isinstance(settled[0][1], (PeerUnreachable, TransferTimeout)) and transfers(b) == 0
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 async def test_lease_lapsing_while_the_carrier_holds_the_relay() -> None:
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    plane, settled = await laned([a, b], relay=True)
+    a, b, plane, settled = await copying_pair()
     hold0 = await HeldInProgress(a).held()
     plane.post(1, "peer", split_write(), 30.0)
     plane.set_lease("peer", time.monotonic() - 1)
     await hold0.let_go()
     await once(settled, [1])
     assert isinstance(settled[0][1], TransferTimeout) and transfers(a) == transfers(b) == 0
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 @DIES
@@ -278,8 +276,7 @@ async def test_three_lanes_carrier_dies_holding_two_relays_and_a_cancel() -> Non
     assert "engine thread" in str(out[1]) and isinstance(out[2], RemoteProtocolError)
     assert transfers(agents[1]) == transfers(agents[2]) == 1  # each got post 1's part from the orphans
     await ended(plane.lanes[0])
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 async def test_three_lanes_one_dead_at_post_time_relays_among_the_live() -> None:
@@ -292,8 +289,7 @@ async def test_three_lanes_one_dead_at_post_time_relays_among_the_live() -> None
     plane.post(2, "peer", split_write(3), 30.0)
     await once(settled, [1, 2])
     assert all(err is None for _, err in settled) and transfers(agents[0]) == 0
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 @DIES
@@ -308,8 +304,7 @@ async def test_every_lane_dead_with_relay_on() -> None:
     plane.post(2, "peer", prepped(), 30.0)
     await once(settled, [1, 2])
     assert all(err is not None for _, err in settled)
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 @pytest.mark.parametrize("cancel", [False, True])
@@ -335,8 +330,7 @@ async def test_a_relayed_part_merges_with_small_posts_on_its_lane(cancel: bool) 
     await once(settled, list(range(1, 8)))
     out = dict(settled)
     assert out[1] is (reason if cancel else None) and all(out[i] is None for i in range(2, 8))
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 async def test_several_split_writes_in_a_row_with_relay() -> None:
@@ -349,8 +343,7 @@ async def test_several_split_writes_in_a_row_with_relay() -> None:
     await once(settled, list(range(1, 7)))
     out = dict(settled)
     assert all(out[i] is None for i in (1, 2, 5, 6)) and out[3] is not None and out[4] is not None
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 @DIES
@@ -367,8 +360,7 @@ async def test_target_dies_with_the_relayed_part_in_its_queue() -> None:
     await once(settled, [1])
     assert "engine thread" in str(settled[0][1]) and transfers(b) == 0
     await ended(plane.lanes[1])
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 async def test_a_post_to_a_closed_laned_plane_settles() -> None:
@@ -383,8 +375,9 @@ async def test_a_post_to_a_closed_laned_plane_settles() -> None:
 
 @DIES
 async def test_a_post_and_its_cancel_in_one_tick_on_dead_lanes_leave_no_marks() -> None:
-    """post() on a dead (or closed) lane settles with call_soon, past _on_loop: a cancel before it ran
-    leaves the mark (with relay: relay_post's fallback for a target that died after the alive list)."""
+    """post() on a dead (or closed) lane settles with call_soon, past ``_on_loop``: a cancel before it
+    ran used to leave the mark (with relay: relay_post's fallback for a target that died after the
+    alive list)."""
     a, b = FakeAgent(), FakeAgent()
     kills = [killable(a), killable(b)]
     plane, settled = await laned([a, b], relay=True)
@@ -394,17 +387,14 @@ async def test_a_post_and_its_cancel_in_one_tick_on_dead_lanes_leave_no_marks() 
     plane.post(1, "peer", split_write(), 30.0)
     plane.cancel([1], RemoteProtocolError("aborted"))
     await once(settled, [1])
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
 
 
 async def test_a_lane_busy_with_a_call_carries_no_part_and_the_other_lane_copies_at_once() -> None:
     """A lane with no posts may be inside a long call (the connect of another decode: add_remote_agent,
     prep_xfer_dlist, 20 ms and more); relayed through it, the other part waited for that call (found
     by review). A lane with a call pending carries nothing."""
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    plane, settled = await laned([a, b], relay=True)
+    _a, b, plane, settled = await copying_pair()
     hold0 = await Held(plane.lanes[0]).held()  # (a connect of another peer, say)
     assert plane.lanes[0].calls_pending == 1 and plane.lanes[1].calls_pending == 0
     plane.post(1, "peer", split_write(), 30.0)
@@ -412,5 +402,4 @@ async def test_a_lane_busy_with_a_call_carries_no_part_and_the_other_lane_copies
     await hold0.let_go()
     await once(settled, [1])
     assert plane.lanes[0].calls_pending == 0
-    await plane.close()
-    clean(plane)
+    await closed_clean(plane)
