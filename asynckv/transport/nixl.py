@@ -89,7 +89,7 @@ class NixlDataPlane(NixlEngine):
         """``post``, but ``carrier``'s engine thread hands the command over as it takes it (``lanes.py``);
         the caller then posts to ``carrier`` itself. ``carrier`` must be alive (checked on the loop:
         once its thread ends, its last drain hands on what it holds)."""
-        if self._closed or not self.alive:
+        if not self.alive:
             self.post(post_id, peer, write, timeout_s)  # (settles at once, with the reason)
             return
         self._posted[post_id] = peer
@@ -248,8 +248,8 @@ class NixlDataPlane(NixlEngine):
             self._report(settled)
 
     def _report(self, settled: list[tuple[int, BaseException | None]]) -> None:
-        """Hand settles to ``on_settled``, first dropping what the loop kept for those posts (a cancel
-        that met its post settled: the engine left the mark to us)."""
+        """Hand settles to ``on_settled``, first dropping what the loop kept for those posts (their cancel
+        marks are the loop's to drop, whenever the cancel came)."""
         posted, cancelled = self._posted, self._cancelled
         for post_id, _ in settled:
             posted.pop(post_id, None)

@@ -77,7 +77,7 @@ class NixlEngine:
         self._round: tuple[list[Any], list[Any]] = ([], [])  # (this round's commands and results, until delivered)
         self._closed = False
         self._leases: dict[str, float] = {}
-        self._cancelled: dict[int, BaseException] = {}  # (by the loop; read between handles: atomic under the GIL)
+        self._cancelled: dict[int, BaseException] = {}  # (set and dropped by the loop, read here: atomic under the GIL)
         self._in_flight: list[PostCmd] = []
         self.settled_in_flight: set[int] = set()  # (added before their settle is delivered: take_in_flight)
         self._notified = False  # (a notification was sent since the last round that settled something)
@@ -415,7 +415,6 @@ class NixlEngine:
                 self._notified = True  # (UCX may leave it half sent: the next progress calls send the rest)
             except BaseException as exc:
                 error = map_nixl_error(exc, f"{post.label}: notification")
-        self._cancelled.pop(post.post_id, None)
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
 
     def _notify(self, notifs: dict[str, list[bytes]]) -> None:

@@ -46,6 +46,17 @@ def clean(plane: LanedDataPlane) -> None:
     assert [lane._in_flight for lane in plane.lanes] == [[]] * len(plane.lanes)
 
 
+async def dead_pair() -> tuple[LanedDataPlane, list[Any]]:
+    """Two lanes with relay on, both engine threads already dead."""
+    a, b = FakeAgent(), FakeAgent()
+    kills = [killable(a), killable(b)]
+    plane, settled = await laned([a, b], relay=True)
+    for i, k in enumerate(kills):
+        k["now"] = True
+        await ended(plane.lanes[i])
+    return plane, settled
+
+
 async def copying_pair() -> tuple[FakeAgent, FakeAgent, LanedDataPlane, list[Any]]:
     """Two lanes with relay on, whose copies complete inside transfer()."""
     a, b = FakeAgent(), FakeAgent()
@@ -294,12 +305,7 @@ async def test_three_lanes_one_dead_at_post_time_relays_among_the_live() -> None
 
 @DIES
 async def test_every_lane_dead_with_relay_on() -> None:
-    a, b = FakeAgent(), FakeAgent()
-    kills = [killable(a), killable(b)]
-    plane, settled = await laned([a, b], relay=True)
-    for i, k in enumerate(kills):
-        k["now"] = True
-        await ended(plane.lanes[i])
+    plane, settled = await dead_pair()
     plane.post(1, "peer", split_write(), 30.0)
     plane.post(2, "peer", prepped(), 30.0)
     await once(settled, [1, 2])
@@ -378,12 +384,7 @@ async def test_a_post_and_its_cancel_in_one_tick_on_dead_lanes_leave_no_marks() 
     """post() on a dead (or closed) lane settles with call_soon, past ``_on_loop``: a cancel before it
     ran used to leave the mark (with relay: relay_post's fallback for a target that died after the
     alive list)."""
-    a, b = FakeAgent(), FakeAgent()
-    kills = [killable(a), killable(b)]
-    plane, settled = await laned([a, b], relay=True)
-    for i, k in enumerate(kills):
-        k["now"] = True
-        await ended(plane.lanes[i])
+    plane, settled = await dead_pair()
     plane.post(1, "peer", split_write(), 30.0)
     plane.cancel([1], RemoteProtocolError("aborted"))
     await once(settled, [1])
