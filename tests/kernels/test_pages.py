@@ -148,6 +148,22 @@ def test_validate_pages_refuses_bad_input(pages: list[object], needle: str) -> N
         validate_pages(pages, 10)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({7: 500}, "index 500 outside the registered range [0, 200)"),
+    ({7: -2, 9: 500}, "index -2 outside the registered range [0, 200)"),  # (the low end is named first)
+    ({7: 42}, "page 42 appears more than once"),
+])
+def test_validate_pages_names_the_offending_index_above_the_small_path(change: dict[int, int], message: str) -> None:
+    """Above 64 indices one sort gives the range and the duplicates: the same refusals, the same index named."""
+    pages = 43 + np.random.default_rng(3).permutation(157)[:100]  # distinct, all in range, none is 42
+    pages[0] = 42
+    for at, value in change.items():
+        pages[at] = value
+    with pytest.raises(InvalidArgument) as exc:
+        validate_pages(pages, 200)
+    assert str(exc.value).endswith(message)
+
+
 def test_validate_pages_accepts_unsorted_and_empty() -> None:
     assert validate_pages([9, 0, 4], 10).tolist() == [9, 0, 4]
     assert validate_pages([], 10).size == 0
