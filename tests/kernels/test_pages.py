@@ -190,8 +190,7 @@ def test_check_pages_refuses_exactly_what_validate_pages_refuses(pages: list[int
     except InvalidArgument as exc:
         got = str(exc)
     assert got == want
-    if want is None:
-        assert len(set(pages)) == len(pages) and all(0 <= p < num_pages for p in pages)
+    assert (want is None) == (len(set(pages)) == len(pages) and all(0 <= p < num_pages for p in pages))
 
 
 def test_check_pages_keeps_the_arrays_dtype_and_finds_a_repeat_in_a_long_array_without_sorting_it() -> None:
