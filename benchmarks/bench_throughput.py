@@ -13,7 +13,10 @@ of one agent posting back to back and two agents posting from two threads (async
 prefill writes through two lanes by default). "From send()" also times each request from
 prefill's first send() (its destination already known, as when it arrives while prefill computes)
 to decode's wait() resolving: what a serving stack waits once the KV is ready; raw NIXL's time
-still includes no message to the decode.
+still includes no message to the decode. The pipelined trials also count the process's CPU time
+(every thread, both sides and raw NIXL's agents are in this one process): its CPU seconds per GB,
+and the GB/s that CPU per GB would allow with every core busy and nothing else to pay (the
+CPU-bound limit, against raw NIXL's fastest).
 Target: asynckv at least 0.9x raw NIXL from 16 MiB up.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import pathlib
 import statistics
 import sys
@@ -37,6 +41,7 @@ from ._pairs import RawNixl, pair, room, run
 ITEM = 32 * 1024
 PAGE_BYTES = 2 * ITEM
 WINDOW_ROUNDS = 4
+CORES = len(os.sched_getaffinity(0))
 """Requests per pipelined trial, in units of the requests in flight: the window refills as rooms
 finish (16 rooms with 4 in flight), rather than 4 starting together and all awaited, which made
 every trial pay its rooms' control messages with no copy to overlap them."""
@@ -85,40 +90,53 @@ async def measure(sizes: list[int], reps: int) -> list[dict[str, object]]:
                     # requests, a new one starting as one finishes, so one room's control messages
                     # overlap another's copy. Raw NIXL posts the same writes back to back.
                     k = max(1, min(4, max_pages // n))
-                    kv_runs, one_runs, two_runs = [], [], []
+                    kv_runs, one_runs, two_runs, kv_cpu, two_cpu, kv_busy = [], [], [], [], [], []
                     for _trial in range(reps):  # interleaved trials, medians (one shot each was noise)
                         sets = [(rng.permutation(max_pages)[:n], rng.permutation(max_pages)[:n])
                                 if layout == "scattered" else (np.arange(n) + i % k * n, np.arange(n) + i % k * n)
                                 for i in range(WINDOW_ROUNDS * k)]
                         jobs = [(next(pipelined_ids), sv, dv) for sv, dv in sets]
                         total = len(sets) * size
-                        t = time.perf_counter()
+                        t, c = time.perf_counter(), time.process_time()
                         await bounded(jobs, k, lambda job: room(p, d, *job))
-                        kv_runs.append(total / (time.perf_counter() - t) / 1e9)
+                        wall, cpu = time.perf_counter() - t, time.process_time() - c
+                        kv_runs.append(total / wall / 1e9)
+                        kv_cpu.append(cpu / (total / 1e9))
+                        kv_busy.append(cpu / wall / CORES)
                         t = time.perf_counter()
                         for sv, dv in sets:
                             raw.write(sv, dv)
                         one_runs.append(total / (time.perf_counter() - t) / 1e9)
                         # Two agents on two threads: with one request in flight, each request's pages
                         # split between them (as asynckv splits a large write over its two lanes).
+                        c = time.process_time()
                         two = raw.write_parallel(sets) if k > 1 or n < 2 else sum(
                             raw.write_parallel([(sv[:n // 2], dv[:n // 2]), (sv[n // 2:], dv[n // 2:])])
                             for sv, dv in sets)
+                        two_cpu.append((time.process_time() - c) / (total / 1e9))
                         two_runs.append(total / two / 1e9)
-                    kv_pipe, rw_one, rw_two = (statistics.median(r) for r in (kv_runs, one_runs, two_runs))
+                    kv_pipe, rw_one, rw_two, kv_cpu_gb, two_cpu_gb, busy = (
+                        statistics.median(r) for r in (kv_runs, one_runs, two_runs, kv_cpu, two_cpu, kv_busy))
                     rw_pipe = max(rw_one, rw_two)  # raw NIXL's fastest configuration in this run
+                    cpu_bound = CORES / kv_cpu_gb  # GB/s with every core busy at asynckv's CPU per GB
                     rows.append({"bytes": size, "layout": layout, "asynckv_gbps": kv, "raw_nixl_gbps": rw,
                                  "asynckv_from_send_gbps": kv_send, "from_send_ratio_vs_raw": kv_send / rw,
                                  "copyto_gbps": cp, "ratio_vs_raw": kv / rw, "inflight": k,
                                  "asynckv_pipelined_gbps": kv_pipe, "raw_pipelined_gbps": rw_pipe,
                                  "raw_pipelined_one_agent_gbps": rw_one, "raw_pipelined_two_agents_gbps": rw_two,
                                  "pipelined_ratio": kv_pipe / rw_pipe, "asynckv_pipelined_min_gbps": min(kv_runs),
-                                 "asynckv_pipelined_max_gbps": max(kv_runs), "pipelined_trials": reps})
+                                 "asynckv_pipelined_max_gbps": max(kv_runs), "pipelined_trials": reps,
+                                 "cores": CORES, "asynckv_pipelined_cpu_s_per_gb": kv_cpu_gb,
+                                 "asynckv_pipelined_cores_busy": busy,
+                                 "raw_two_agents_cpu_s_per_gb": two_cpu_gb,
+                                 "asynckv_cpu_bound_gbps": cpu_bound, "cpu_bound_ratio": cpu_bound / rw_pipe})
                     print(f"  {size / 2**20:8.2f} MiB {layout:10s}: one request: asynckv {kv:6.2f} GB/s, raw NIXL "
                           f"{rw:6.2f}, np.copyto {cp:6.2f} -> {kv / rw:.2f}x raw ({kv_send / rw:.2f}x from send()); "
                           f"{k} in flight: asynckv "
                           f"{kv_pipe:6.2f}, raw one agent {rw_one:6.2f}, two agents on two threads {rw_two:6.2f} "
-                          f"-> {kv_pipe / rw_pipe:.2f}x the faster", flush=True)
+                          f"-> {kv_pipe / rw_pipe:.2f}x the faster; asynckv kept {busy:.0%} of {CORES} cores busy at "
+                          f"{kv_cpu_gb:.3f} CPU s/GB (raw two agents {two_cpu_gb:.3f}): all of them would allow "
+                          f"{cpu_bound:.2f} GB/s, {cpu_bound / rw_pipe:.2f}x the faster", flush=True)
         finally:
             raw.close()
     return rows

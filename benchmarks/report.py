@@ -22,7 +22,7 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                              f"flight | {r['asynckv_gbps']:.2f} / {r['asynckv_pipelined_gbps']:.2f} GB/s | raw NIXL "
                              f"{r['raw_nixl_gbps']:.2f} / {r['raw_pipelined_gbps']:.2f} GB/s, np.copyto "
                              f"{r['copyto_gbps']:.2f} | {r['ratio_vs_raw']:.2f}x / {r['pipelined_ratio']:.2f}x raw"
-                             f"{_from_send(r)} | >= 0.9x |")
+                             f"{_from_send(r)}{_cpu_bound(r)} | >= 0.9x |")
     sm = _load(out, "small_requests")
     if sm:
         for r in sm["rows"]:
@@ -164,6 +164,15 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
 def _from_send(r: dict[str, Any]) -> str:
     """Q1's one-request ratio timed from prefill's send() (absent from older results)."""
     return f" (one request from send(): {r['from_send_ratio_vs_raw']:.2f}x)" if "from_send_ratio_vs_raw" in r else ""
+
+
+def _cpu_bound(r: dict[str, Any]) -> str:
+    """Q1's pipelined CPU accounting (absent from older results)."""
+    if "cpu_bound_ratio" not in r:
+        return ""
+    return (f"; {r['inflight']} in flight kept {r['asynckv_pipelined_cores_busy']:.0%} of {r['cores']} cores busy, "
+            f"{r['asynckv_pipelined_cpu_s_per_gb']:.3f} CPU s/GB (raw {r['raw_two_agents_cpu_s_per_gb']:.3f}): "
+            f"CPU-bound at {r['cpu_bound_ratio']:.2f}x raw")
 
 
 def render_scaling(out: pathlib.Path) -> str:
