@@ -41,10 +41,11 @@ from ._pairs import RawNixl, pair, room, run
 ITEM = 32 * 1024
 PAGE_BYTES = 2 * ITEM
 WINDOW_ROUNDS = 4
-CORES = len(os.sched_getaffinity(0))
 """Requests per pipelined trial, in units of the requests in flight: the window refills as rooms
 finish (16 rooms with 4 in flight), rather than 4 starting together and all awaited, which made
 every trial pay its rooms' control messages with no copy to overlap them."""
+CORES = len(os.sched_getaffinity(0))
+"""The cores this process may run on: the CPU-bound limit assumes all of them busy."""
 
 
 def copy_pages(a: np.ndarray, b: np.ndarray, src: np.ndarray, dst: np.ndarray, contiguous: bool) -> None:
