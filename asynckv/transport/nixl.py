@@ -196,8 +196,9 @@ class NixlDataPlane(NixlEngine):
                     loop.call_soon_threadsafe(self._settle_orphans)
 
     def _settle_orphans(self) -> None:
-        """After the engine thread died: every post it held or never took settles (with the error),
-        every call fails, so that no caller waits for ever (the contract: each post settles once)."""
+        """After the engine thread died: every post it held or never took settles (with the error, or the
+        reason it was cancelled with: a split write's parts then agree whichever settles first), every call
+        fails, so that no caller waits for ever (the contract: each post settles once)."""
         err = TransportError(f"data plane {self.name[:8]}: engine thread died ({self.thread_error!r})"
                              if self.thread_error is not None else f"data plane {self.name[:8]}: engine thread ended")
         batch: list[tuple[int, BaseException | None]] = []
@@ -226,8 +227,8 @@ class NixlDataPlane(NixlEngine):
             if fut is not None:
                 if not fut.done():
                     fut.set_exception(err)
-            elif isinstance(cmd, PostCmd):
-                batch.append((cmd.post_id, err))
+            elif isinstance(cmd, PostCmd):  # (a cancelled or forgotten one settles with that reason, as it would
+                batch.append((cmd.post_id, self._cancelled.get(cmd.post_id) or err))  # have had the thread lived)
         if batch:
             self._settle_soon(batch)
         if done:  # last: a settle handler that raises must not hold back the orphans above

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from asynckv.errors import PeerUnreachable, RemoteProtocolError, TransferTimeout
+from asynckv.errors import PeerUnreachable, RemoteProtocolError, TransferTimeout, TransportError
 from asynckv.proto.topology import stub_agent_metadata
 from asynckv.transport.base import Write
 from asynckv.transport.lanes import LanedDataPlane
@@ -288,6 +288,29 @@ async def test_three_lanes_carrier_dies_holding_two_relays_and_a_cancel() -> Non
     assert transfers(agents[1]) == transfers(agents[2]) == 1  # each got post 1's part from the orphans
     await ended(plane.lanes[0])
     await closed_clean(plane)
+
+
+@DIES
+async def test_an_orphan_with_a_cancel_mark_settles_with_the_cancel_reason() -> None:
+    """A post cancelled before its engine thread died settles with the cancel's reason, as it would
+    have had the thread lived; an unmarked orphan with the death. (The orphans used to settle all with
+    the death, so a split write whose other parts the cancel settled took whichever error came first:
+    the test above failed about one run in a few hundred.)"""
+    agent = FakeAgent()
+    kill = killable(agent)
+    plane, settled = await started(agent)
+    hold = await HeldInProgress(agent).held()
+    reason = RemoteProtocolError("aborted")
+    plane.post(1, "peer", prepped(), 30.0)
+    plane.cancel([1], reason)
+    plane.post(2, "peer", prepped(), 30.0)
+    kill["now"] = True
+    await hold.let_go()  # it dies in this progress call, posts and cancel still queued
+    await once(settled, [1, 2])
+    out = dict(settled)
+    assert out[1] is reason and isinstance(out[2], TransportError) and "engine thread died" in str(out[2])
+    assert transfers(agent) == 0 and plane._cancelled == {} and plane._posted == {}
+    await plane.close()
 
 
 async def test_three_lanes_one_dead_at_post_time_relays_among_the_live() -> None:
