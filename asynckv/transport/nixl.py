@@ -227,8 +227,8 @@ class NixlDataPlane(NixlEngine):
             if fut is not None:
                 if not fut.done():
                     fut.set_exception(err)
-            elif isinstance(cmd, PostCmd):  # (a cancelled or forgotten one settles with that reason, as it would
-                batch.append((cmd.post_id, self._cancelled.get(cmd.post_id) or err))  # have had the thread lived)
+            elif isinstance(cmd, PostCmd):  # (one cancelled or forgotten: with that reason, as if the thread lived)
+                batch.append((cmd.post_id, self._cancelled.get(cmd.post_id) or err))
         if batch:
             self._settle_soon(batch)
         if done:  # last: a settle handler that raises must not hold back the orphans above
