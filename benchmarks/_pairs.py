@@ -183,7 +183,12 @@ class RawNixl:
             agent.deregister_memory(reg)
 
 
-def run(coro: Any) -> Any:
+def run(coro: Any, loop: str = "asyncio") -> Any:
+    """Run ``coro`` to completion on a fresh event loop: ``"asyncio"``'s own or ``"uvloop"``."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
     return asyncio.run(coro)
 
 

@@ -153,12 +153,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     args = parser.parse_args(argv)
     sizes = [int(s * 2**20) // PAGE_BYTES * PAGE_BYTES or PAGE_BYTES for s in args.sizes_mib]
     print(f"Q1 bulk throughput (asynckv vs raw NIXL vs np.copyto), {args.loop}:")
-    if args.loop == "uvloop":
-        import uvloop
-
-        rows = uvloop.run(measure(sizes, args.reps))
-    else:
-        rows = run(measure(sizes, args.reps))
+    rows = run(measure(sizes, args.reps), args.loop)
     big = [r for r in rows if int(r["bytes"]) >= 16 * 2**20]  # type: ignore[call-overload]
     result = {"question": __doc__.strip().splitlines()[0], "rows": rows, "loop": args.loop,
               "min_ratio_from_16MiB": min((float(r["ratio_vs_raw"]) for r in big), default=None),  # type: ignore[arg-type]
