@@ -68,6 +68,11 @@ class Config:
     pages, so they go out as one descriptor per page instead of one per token (0: off). Allocated
     with the rank (address space; pages become resident as they are used) and registered with
     NIXL; a write finding no room in it is sent per token."""
+    decode_staging_bytes: int = 0
+    """Decode: a DRAM area that prefill ranks holding fewer heads than this rank (a larger prefill
+    TP) write whole pages into, one descriptor per page instead of one per token; decode then copies
+    their rows into its pages (0: off, those ranks write per token). Registered with NIXL; a room
+    waits for free slots, and one needing more than the area holds fails naming this setting."""
     build_threads: int = 2
     """Prefill: worker threads of the rank's own that build large writes' descriptors and gather head
     slices into the staging area (never the loop's default executor, which the application shares).
@@ -179,8 +184,9 @@ class Config:
                      "max_early_bytes", "max_peer_dlist_rows", "max_connecting_peers", "write_lanes", "build_threads"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"config {name} must be >= 1, got {getattr(self, name)!r}")
-        if self.staging_bytes < 0:
-            raise InvalidArgument(f"config staging_bytes must be >= 0, got {self.staging_bytes!r}")
+        for name in ("staging_bytes", "decode_staging_bytes"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"config {name} must be >= 0, got {getattr(self, name)!r}")
         if not self.host:
             raise InvalidArgument("config host must not be empty")
         if self.wire not in WIRES:

@@ -41,8 +41,11 @@ from asynckv.layout import KVArgs
 from ._common import write_result
 
 HEADS, HEAD_DIM, PAGE_SIZE = 8, 128, 16
+DECODE_STAGING = 256 * 2**20
 CASES = [("TP1 -> TP1", 1, 1, {}), ("TP1 -> TP2, staged", 1, 2, {}),
-         ("TP1 -> TP2, per token (staging off)", 1, 2, {"staging_bytes": 0}), ("TP2 -> TP1, per token", 2, 1, {})]
+         ("TP1 -> TP2, per token (staging off)", 1, 2, {"staging_bytes": 0}),
+         ("TP2 -> TP1, staged on decode", 2, 1, {"decode_staging_bytes": DECODE_STAGING}),
+         ("TP2 -> TP1, per token (decode staging off)", 2, 1, {"decode_staging_bytes": 0})]
 
 
 def _rank(layers: int, pages: int, tp_size: int, tp: int) -> tuple[KVArgs, list[np.ndarray]]:
@@ -159,12 +162,13 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     rows = []
     for name, tp_p, tp_d, config in CASES:
         gbps = [x["gbps"] for x in runs[name]]
-        rows.append({"case": name, "tp_prefill": tp_p, "tp_decode": tp_d, "staging": config.get("staging_bytes") != 0,
+        staged = config.get("staging_bytes") != 0 if tp_p < tp_d else bool(config.get("decode_staging_bytes"))
+        rows.append({"case": name, "tp_prefill": tp_p, "tp_decode": tp_d, "staging": staged,
                      "gbps": statistics.median(gbps), "gbps_spread": [min(gbps), max(gbps)],
                      "cpu_s_per_gb": statistics.median(x["cpu_s_per_gb"] for x in runs[name]),
                      "ratio_vs_equal_tp": statistics.median(gbps) / equal,
                      **({"staged_ceiling_gbps": ceiling, "ratio_vs_staged_ceiling": statistics.median(gbps) / ceiling}
-                        if tp_p < tp_d and config.get("staging_bytes") != 0 else {})})
+                        if tp_p != tp_d and staged else {})})
     print(f"  staged ceiling 1/(1/{equal:.2f} + 1/{gather:.2f}) = {ceiling:.2f} GB/s "
           f"({ceiling / equal:.2f}x equal TP)", flush=True)
     result = {"question": __doc__.strip().splitlines()[0], "rounds": args.rounds, "requests": args.requests,

@@ -18,6 +18,7 @@ from .messages import Message
 from .sglang import SglangMessage
 
 if TYPE_CHECKING:
+    from .decode_staging import StagedSlice
     from .receiver import ReceiverRoom
     from .sender import DecodePeer, SenderRoom
 
@@ -36,6 +37,7 @@ __all__ = [
     "PeerUp",
     "Post",
     "RoomReady",
+    "Scatter",
     "Send",
     "SetLease",
 ]
@@ -149,6 +151,15 @@ class InitDone(Action):
     """A receiver left Resolving: its destination went out, or it failed."""
 
     room: ReceiverRoom
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Scatter(Action):
+    """Copy a room's staged head slices from decode's staging slots into its pages; answer with
+    ``scattered``. One ``StagedSlice`` per prefill rank that wrote into staging."""
+
+    room: ReceiverRoom
+    slices: tuple[StagedSlice, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

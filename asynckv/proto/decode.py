@@ -45,6 +45,7 @@ from ..layout import KVArgs
 from .actions import Closed, FetchTopology, Finished, InitDone, Send
 from .core import check_int, check_new_room
 from .decode_peers import RegistrationRules
+from .decode_staging import StagingRules, StagingSlots
 from .messages import Abort, Bye, Ping, Pong, Register, RegisterResult, Status, TransferInfo
 from .receiver import RankProgress, ReceiverRoom, Registration
 from .states import Event, ReceiverState
@@ -62,15 +63,17 @@ def random_sessions() -> Iterator[int]:
         yield secrets.randbits(63) or 1
 
 
-class DecodeCore(RegistrationRules):
+class DecodeCore(StagingRules, RegistrationRules):
     """The decode side of one rank (see the module docstring). Rooms and their messages are here;
-    registration sessions, liveness and lease grants in ``decode_peers``."""
+    registration sessions, liveness and lease grants in ``decode_peers``; staged head slices in
+    ``decode_staging``."""
 
     mode = "decode"
 
     def __init__(self, name: str, endpoint: str, kv_args: KVArgs, config: Config, register: Register,
-                 sessions: Iterator[int] | None = None) -> None:
+                 sessions: Iterator[int] | None = None, staging: StagingSlots | None = None) -> None:
         super().__init__(name, endpoint, kv_args, config)
+        self._init_staging(staging)
         self._register = register
         """This rank's Register, sent with prefill_id, session and lease filled in per registration."""
         self.rooms: dict[int, ReceiverRoom] = {}
@@ -200,7 +203,7 @@ class DecodeCore(RegistrationRules):
         room.cleared = True
         if self.rooms.get(room.room) is room:
             del self.rooms[room.room]
-        if room.state is ReceiverState.FENCING:
+        if room.state in (ReceiverState.FENCING, ReceiverState.SCATTERING):  # (its pages are still written)
             self.fencing[(room.room, room.epoch)] = room
 
     def instance(self, addr: str) -> PrefillInstance | None:
@@ -244,13 +247,19 @@ class DecodeCore(RegistrationRules):
             return
         empty = np.empty(0, dtype=np.int32)
         plan = room.plan
+        staged = [t.rank for t in plan.targets if not t.is_dummy and self.registrations[t.rank.agent_id].staged]
+        if not self._take_slots(room, staged, now):
+            return  # waiting for staging slots, or failed for want of them
         for target in plan.targets:
-            prog = room.ranks[target.rank.agent_id]
+            agent_id = target.rank.agent_id
+            prog = room.ranks[agent_id]
             prog.sent = True
-            prog.session = self.registrations[target.rank.agent_id].session
+            prog.session = self.registrations[agent_id].session
+            part = room.staged.get(agent_id)
+            pages = empty if target.is_dummy else room.pages if part is None else part.slots
             self._emit(Send(target.rank.endpoint, TransferInfo(
-                room.room, room.epoch, self.name, target.rank.agent_id, room.aux_index, plan.required_dst_info_num,
-                target.is_dummy, target.write_aux, room.prefix_len, empty if target.is_dummy else room.pages,
+                room.room, room.epoch, self.name, agent_id, room.aux_index, plan.required_dst_info_num,
+                target.is_dummy, target.write_aux, room.prefix_len, pages,
                 empty if target.is_dummy else room.state_indices)))
         room.move(Event.DESTINATION_SENT)
         self._emit(InitDone(room))
@@ -329,6 +338,7 @@ class DecodeCore(RegistrationRules):
         self.deadlines.arm(room, None)
         self.fencing.pop((room.room, room.epoch), None)
         self._emit(Finished(room))
+        self._release_slots(room, now)
         self._maybe_closed()
 
     # -- messages ---------------------------------------------------------------------------
@@ -359,8 +369,7 @@ class DecodeCore(RegistrationRules):
         elif room.state is ReceiverState.WAITING and room.plan is not None:
             room.responses.add(msg.sender_rank)
             if len(room.responses) >= room.plan.required_responses:
-                room.move(Event.SENDERS_SUCCEEDED)
-                self._finish(room, now)
+                self._senders_succeeded(room, now)
         self._maybe_fenced(room, now)
 
     # -- helpers ------------------------------------------------------------------------------

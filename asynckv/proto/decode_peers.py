@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AsyncKVError, LayoutMismatch, PeerRestarted, PeerUnreachable, RemoteProtocolError
 from .actions import ForgetEndpoint, PeerDown, PeerUp, Send
@@ -48,6 +48,8 @@ class RegistrationRules(Core):
 
         def _target_plan(self, addr: str, instance: PrefillInstance, room: int) -> TargetPlan: ...
 
+        def _staged_register(self, rank: PrefillRank, addr: str) -> dict[str, Any] | None: ...
+
     def preconnect(self, addr: str, now: float) -> int:
         """Register now with every rank of the fetched instance at ``addr`` that this rank's rooms
         would write from (each DP group's), so the first room does not wait for first contact;
@@ -73,9 +75,11 @@ class RegistrationRules(Core):
             return reg
         reg = self.registrations[rank.agent_id] = Registration(rank, addr, next(self._sessions), now)
         self.deadlines.arm(reg, now + self.config.handshake_timeout_s)
+        staged = self._staged_register(rank, addr)
+        reg.staged = staged is not None
         self._emit(Send(rank.endpoint, dataclasses.replace(
             self._register, prefill_id=rank.agent_id, session=reg.session,
-            lease_ms=int(self.liveness.lease_s * 1000))))
+            lease_ms=int(self.liveness.lease_s * 1000), **(staged or {}))))
         return reg
 
     def _registration_timeout(self, reg: Registration, now: float) -> None:

@@ -6,6 +6,7 @@ These hold state only; every decision about them is made by ``DecodeCore``.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -13,6 +14,9 @@ import numpy.typing as npt
 from .bootstrap import PrefillRank
 from .states import RECEIVER_POLL, RECEIVER_TRANSITIONS, Event, KVPoll, Outcome, ReceiverState, transition
 from .topology import TargetPlan
+
+if TYPE_CHECKING:
+    from .decode_staging import StagedSlice
 
 __all__ = ["RankProgress", "ReceiverRoom", "Registration"]
 
@@ -61,6 +65,8 @@ class ReceiverRoom(Outcome):
     cleared: bool = False
     started: float | None = None
     finished: float | None = None
+    staged: dict[str, StagedSlice] = dataclasses.field(default_factory=dict)
+    """By prefill agent id: the staging slots that rank writes instead of our pages (``decode_staging``)."""
 
     def poll(self) -> KVPoll:
         return RECEIVER_POLL[self.state]
@@ -92,6 +98,8 @@ class Registration:
     session: int
     started: float
     registered: bool = False
+    staged: bool = False
+    """We registered as a decode of the prefill's TP whose pages are staging slots (``decode_staging``)."""
     deadline: float | None = None
     rooms: list[ReceiverRoom] = dataclasses.field(default_factory=list)
     """Rooms waiting for this registration to complete."""

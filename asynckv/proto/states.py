@@ -84,8 +84,11 @@ class ReceiverState(enum.Enum):
     """Looking up the prefill's topology and registering with its ranks."""
     WAITING = "waiting"
     """The destination went to every prefill rank; waiting for their statuses."""
+    SCATTERING = "scattering"
+    """Every real prefill sender's writes landed in decode's staging slots; decode is copying
+    their head slices into the pages (``Config.decode_staging_bytes``)."""
     SUCCEEDED = "succeeded"
-    """Every real prefill sender reported that all its writes landed."""
+    """Every real prefill sender reported that all its writes landed (and any staged slices are in place)."""
     FENCING = "fencing"
     """Failed; waiting until no prefill rank can still write into the pages."""
     FAILED = "failed"
@@ -103,6 +106,8 @@ class Event(enum.Enum):
     INIT_CALLED = "init called"
     DESTINATION_SENT = "destination sent"
     SENDERS_SUCCEEDED = "senders succeeded"
+    SENDERS_STAGED = "senders succeeded into staging"
+    SCATTERED = "scattered"
     FAILED_MAY_BE_WRITTEN = "failed, may still be written"
     FENCED = "fenced"
     FAILED = "failed"
@@ -126,7 +131,9 @@ SENDER_TRANSITIONS: dict[SenderState, dict[Event, SenderState]] = {
 RECEIVER_TRANSITIONS: dict[ReceiverState, dict[Event, ReceiverState]] = {
     _R.CREATED: {_E.INIT_CALLED: _R.RESOLVING, _E.FAILED: _R.FAILED},
     _R.RESOLVING: {_E.DESTINATION_SENT: _R.WAITING, _E.FAILED: _R.FAILED},
-    _R.WAITING: {_E.SENDERS_SUCCEEDED: _R.SUCCEEDED, _E.FAILED_MAY_BE_WRITTEN: _R.FENCING, _E.FAILED: _R.FAILED},
+    _R.WAITING: {_E.SENDERS_SUCCEEDED: _R.SUCCEEDED, _E.SENDERS_STAGED: _R.SCATTERING,
+                 _E.FAILED_MAY_BE_WRITTEN: _R.FENCING, _E.FAILED: _R.FAILED},
+    _R.SCATTERING: {_E.SCATTERED: _R.SUCCEEDED, _E.FAILED: _R.FAILED},
     _R.FENCING: {_E.FENCED: _R.FAILED},
     _R.SUCCEEDED: {},
     _R.FAILED: {},
@@ -141,9 +148,11 @@ SENDER_POLL: dict[SenderState, KVPoll] = {
 
 RECEIVER_POLL: dict[ReceiverState, KVPoll] = {
     _R.CREATED: KVPoll.Bootstrapping, _R.RESOLVING: KVPoll.Bootstrapping, _R.WAITING: KVPoll.WaitingForInput,
-    _R.SUCCEEDED: KVPoll.Success, _R.FENCING: KVPoll.Transferring, _R.FAILED: KVPoll.Failed,
+    _R.SCATTERING: KVPoll.Transferring, _R.SUCCEEDED: KVPoll.Success, _R.FENCING: KVPoll.Transferring,
+    _R.FAILED: KVPoll.Failed,
 }
-"""A fencing receiver polls Transferring, never Failed: its pages may still be written."""
+"""A fencing receiver polls Transferring, never Failed: its pages may still be written. A scattering one
+polls Transferring too: its pages are still being written, by decode itself."""
 
 
 StateT = TypeVar("StateT", SenderState, ReceiverState)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,7 @@ from ..proto.receiver import ReceiverRoom
 from ..proto.topology import PrefillInstance
 from ..transport.base import ControlPlane
 from .bootstrap import BootstrapClient
+from .decode_staging import SCATTER_INLINE_BYTES, DecodeStaging
 from .pump import Pump
 from .receiver import KVReceiver
 
@@ -59,12 +62,16 @@ class ReceiverPump(Pump):
 
 class DecodeService(ReceiverPump):
     def __init__(self, core: DecodeCore, control: ControlPlane, http: BootstrapClient, config: Config,
-                 labels: tuple[str, str], clock: Callable[[], float] = time.monotonic) -> None:
+                 labels: tuple[str, str], clock: Callable[[], float] = time.monotonic,
+                 staging: DecodeStaging | None = None) -> None:
         super().__init__(core, control, labels, clock)
         self.core: DecodeCore = core
         self.http = http
         self.config = config
-        self.handlers[act.FetchTopology] = self._on_fetch
+        self.staging = staging
+        """The staging area the core's ``Scatter`` actions copy out of (``decode_staging``)."""
+        self._scatter_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.handlers.update({act.FetchTopology: self._on_fetch, act.Scatter: self._on_scatter})
 
     async def instance(self, addr: str, connect: bool = False) -> PrefillInstance:
         """The topology of the prefill at ``addr`` (fetched once, then cached by the core); with
@@ -80,6 +87,43 @@ class DecodeService(ReceiverPump):
         if connect:
             self.feed("preconnect", addr)
         return instance
+
+    def _on_scatter(self, a: act.Scatter) -> None:
+        """Copy a room's staged slices into its pages: on the loop when small, else on one of the rank's
+        ``build_threads`` worker threads; ``scattered`` either way."""
+        staging = self.staging
+        if staging is None or staging.nbytes(a.slices) <= SCATTER_INLINE_BYTES:
+            error: BaseException | None = None
+            try:
+                if staging is None:
+                    raise RuntimeError("no staging area to copy from")
+                staging.scatter(a.room.pages, a.slices)
+            except Exception as exc:
+                error = exc
+            self.feed("scattered", a.room, error)
+            return
+        if self._scatter_pool is None:
+            self._scatter_pool = concurrent.futures.ThreadPoolExecutor(self.config.build_threads, "asynckv-scatter")
+        self.spawn(self._scatter(staging, self._scatter_pool, a), "asynckv-scatter")
+
+    async def _scatter(self, staging: DecodeStaging, pool: concurrent.futures.Executor, a: act.Scatter) -> None:
+        copying = self.loop.run_in_executor(pool, staging.scatter, a.room.pages, a.slices)
+        error: BaseException | None = None
+        try:
+            await asyncio.shield(copying)
+        except asyncio.CancelledError:  # (close gave up waiting) the copy writes our pages: let it end first
+            await asyncio.wait([copying])
+            raise
+        except Exception as exc:
+            error = exc
+        self.feed("scattered", a.room, error)
+
+    async def close(self, timeout_s: float) -> None:
+        try:
+            await super().close(timeout_s)
+        finally:
+            if self._scatter_pool is not None:
+                self._scatter_pool.shutdown(wait=False)
 
     def _on_fetch(self, a: act.FetchTopology) -> None:
         self.spawn(self._fetch(a.addr), f"asynckv-route-{a.addr}")

@@ -45,6 +45,8 @@ from ..transport.stream import StreamChannel
 from . import metrics
 from .bootstrap import BootstrapClient, BootstrapServer, split_addr
 from .decode import DecodeService, ReceiverPump
+from .decode_staging import DecodeStaging
+from .decode_staging import applies as staging_applies
 from .ops import OpsServer
 from .prefill import PrefillService
 from .receiver import KVReceiver
@@ -189,7 +191,11 @@ class KVManager:
                                                     cfg.write_lanes if prefill else 1)
         scratch = (int(self._scratch.ctypes.data), SCRATCH_BYTES)
         keep = (*self.kv_args.owners, self._scratch)  # (the scratch area is the source of warm-up writes)
-        metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill, keep=keep))
+        staging = DecodeStaging(cfg.decode_staging_bytes, self._args) if (
+            not prefill and not self.sglang and cfg.decode_staging_bytes > 0 and staging_applies(self._args)) else None
+        extra = () if staging is None else ((staging.addr, staging.capacity),)
+        keep = keep if staging is None else (*keep, staging.buffer)
+        metadata = await data.start(builder.memory_layout(scratch, prepare_local=prefill, keep=keep, extra_dram=extra))
         auth = Authenticator(cfg.auth_token) if cfg.auth_token else None
         codec = (decode_frames, encode_sglang) if self.sglang else (decode_message, encode_message)
         channel = StreamChannel if cfg.control == "stream" else ControlChannel
@@ -218,8 +224,8 @@ class KVManager:
             self._svc = sglang
         else:
             register = _register_template(self.name, endpoint, self._args, scratch, metadata)
-            decode = DecodeCore(self.name, endpoint, self._args, cfg, register, random_sessions())
-            self._svc = DecodeService(decode, control, self._http, cfg, labels)
+            decode = DecodeCore(self.name, endpoint, self._args, cfg, register, random_sessions(), staging)
+            self._svc = DecodeService(decode, control, self._http, cfg, labels, staging=staging)
         metrics.register_manager(self)
         if cfg.ops_port >= 0:
             self.ops_server = await OpsServer(cfg.host, cfg.ops_port, lambda: self.healthy, auth_token=cfg.auth_token,

@@ -124,10 +124,11 @@ class WriteBuilder:
         """Where head slices are gathered into whole pages (a prefill with DRAM KV; see ``staging``)."""
         self._kv_views: dict[int, npt.NDArray[np.uint8]] = {}
 
-    def memory_layout(self, scratch: tuple[int, int], prepare_local: bool,
-                      keep: tuple[object, ...] = ()) -> MemoryLayout:
-        """KV and state in the rank's memory kind; aux and the scratch area in DRAM. ``keep``: what owns that
-        memory (the data plane holds it while registered, and until exit behind a transfer it cannot stop)."""
+    def memory_layout(self, scratch: tuple[int, int], prepare_local: bool, keep: tuple[object, ...] = (),
+                      extra_dram: tuple[tuple[int, int], ...] = ()) -> MemoryLayout:
+        """KV and state in the rank's memory kind; aux, the scratch area and ``extra_dram`` (address, bytes:
+        a decode's staging area) in DRAM. ``keep``: what owns that memory (the data plane holds it
+        while registered, and until exit behind a transfer it cannot stop)."""
         a = self.args
         kv = np.array([[int(p), int(n), self.dev] for p, n in zip(
             [*a.kv_data_ptrs, *a.state_data_ptrs], [*a.kv_data_lens, *a.state_data_lens], strict=True)],
@@ -136,7 +137,8 @@ class WriteBuilder:
             self.staging = StagingArea(self.config.staging_bytes)
         staging = [[self.staging.addr, self.staging.capacity, 0]] if self.staging is not None else []
         dram = np.array([*([int(p), int(n), 0] for p, n in zip(a.aux_data_ptrs, a.aux_data_lens, strict=True)),
-                         [scratch[0], scratch[1], 0], *staging], dtype=np.uint64).reshape(-1, 3)
+                         [scratch[0], scratch[1], 0], *staging, *([p, n, 0] for p, n in extra_dram)],
+                        dtype=np.uint64).reshape(-1, 3)
         local = None
         if prepare_local and self.config.prepped_dlists:
             # DRAM KV: the aux rows join the prepared dlist, so an aux row is one prepared handle

@@ -58,6 +58,9 @@ async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2, **con
             staging = getattr(r.mgr._svc, "builder", None) and r.mgr._svc.builder.staging  # type: ignore[union-attr]
             if staging is not None:  # every run given back, nothing held
                 assert staging.held == 0 and staging.free_bytes == staging.capacity
+            slots = getattr(r.mgr._svc, "staging", None)
+            if slots is not None:  # (decode) every staging slot given back
+                assert slots.free_slots == slots.slots
 
 
 @pytest.mark.parametrize("lay", REPRESENTATIVE, ids=layout_id)
@@ -116,3 +119,31 @@ async def test_head_slices_for_a_larger_decode_tp_are_staged_into_whole_pages(
     await check_layout(Layout(2, 4, 8), staging_bytes=staging_bytes)
     assert bool(taken) == (staging_bytes > 0)  # (off: no area at all)
     assert (bool(taken) and all(n > 0 for n in taken)) == staged
+
+
+DECODE_STAGED = [
+    Layout(2, 1, 8), Layout(4, 2, 8), Layout(8, 2, 2), Layout(4, 1, 8, pp_prefill=2), Layout(4, 1, 4, state="nsa"),
+    Layout(4, 2, 8, draft_layers=2), Layout(4, 2, 8, state="mamba"), Layout(2, 2, 4), Layout(1, 2, 4),
+]
+
+
+@pytest.mark.parametrize("lay", DECODE_STAGED, ids=layout_id)
+async def test_decode_staging_for_a_larger_prefill_tp(lay: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode rank holding more heads than its prefill ranks takes their whole pages into staging
+    slots and copies their rows into its pages: the same bytes as per token, every slot given back.
+    Prefill PP, mamba state and equal TP do not stage (their slices depend on the prefill's split)."""
+    from asynckv.service.decode_staging import DecodeStaging
+    copied: list[int] = []
+    real = DecodeStaging.scatter
+
+    def spy(self: DecodeStaging, pages: Any, slices: Any) -> int:
+        n = real(self, pages, slices)
+        copied.append(n)
+        return n
+    monkeypatch.setattr(DecodeStaging, "scatter", spy)
+    await check_layout(lay, prefix_pages=2 if lay.draft_layers else 0, decode_staging_bytes=8 * 2**20)
+    staged = lay.tp_prefill > lay.tp_decode and lay.pp_prefill == 1 and lay.state in ("none", "nsa") \
+        and lay.heads // lay.tp_decode > max(1, lay.heads // lay.tp_prefill)
+    assert bool(copied) == staged
+    entries = 2 * (lay.layers + lay.draft_layers)  # K and V of every layer, from each staged rank
+    assert all(n > 0 and n % entries == 0 for n in copied)

@@ -1,0 +1,182 @@
+"""Decode rules for staged head slices: prefill ranks that hold fewer heads than this decode rank.
+
+A prefill rank at a larger TP holds a slice of every token row of our pages (its heads). Written
+in place that is one NIXL descriptor per token and entry. With a staging area
+(``Config.decode_staging_bytes``) decode registers with such a rank *as a decode rank of the
+prefill's own TP* whose pages are slots of that area, shaped like the prefill's pages: the
+prefill writes whole pages (one descriptor per page, runs merged) and needs nothing new, on
+either side of the wire. When every sender of a room has succeeded, the room is ``SCATTERING``:
+the pump copies each slot's rows into the slice of its page's token rows (``Scatter``) and
+answers ``scattered``; only then is it Succeeded, and its slots are given back as it finishes.
+
+A room whose staged ranks find too few free slots waits in ``RESOLVING`` (first come, first
+served) until a finishing room gives its slots back; a room needing more slots than the area
+holds fails at once, naming the setting. Failed and cleared rooms keep their slots until their
+fence completes, as they keep their pages: a rank may still be writing into them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import InvalidArgument
+from .actions import Scatter
+from .core import Core
+from .receiver import ReceiverRoom
+from .states import Event, ReceiverState
+
+if TYPE_CHECKING:
+    from .bootstrap import PrefillRank
+    from .topology import PrefillInstance
+
+__all__ = ["StagedSlice", "StagingRules", "StagingSlots"]
+
+log = logging.getLogger("asynckv.decode")
+
+I32 = npt.NDArray[np.int32]
+U64 = npt.NDArray[np.uint64]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class StagedSlice:
+    """What one prefill rank wrote into staging for one room: slot ``slots[k]`` holds, for every
+    entry, the rows of the room's ``k``-th page that go to bytes ``[dst_offs[e], dst_offs[e] +
+    nbytes[e])`` of each token row of entry ``e``."""
+
+    agent_id: str
+    slots: I32
+    dst_offs: U64
+    nbytes: U64
+
+
+class StagingSlots(Protocol):
+    """Decode's staging area as the core uses it (``asynckv.service.decode_staging``)."""
+
+    def usable(self, tp_prefill: int) -> bool:
+        """Whether ranks of a prefill at this TP can write whole pages into the area."""
+
+    def register_fields(self, rank: PrefillRank) -> dict[str, Any]:
+        """The fields of our ``Register`` that describe the area to ``rank`` as its own TP's pages."""
+
+    def slice_of(self, rank: PrefillRank) -> tuple[U64, U64]:
+        """Per entry: where in our token rows ``rank``'s rows go, and how many bytes they are."""
+
+    @property
+    def slots(self) -> int:
+        """Slots in all."""
+
+    def take(self, n: int) -> I32 | None:
+        """``n`` free slots (marked unwritten), or None when fewer are free."""
+
+    def give(self, slots: I32) -> None:
+        """Slots no rank can still write into."""
+
+
+class StagingRules(Core):
+    """The staged-slice rules of ``DecodeCore`` (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        rooms: dict[int, ReceiverRoom]
+        instances: dict[str, PrefillInstance]
+
+        def fail(self, room: ReceiverRoom, error: BaseException, now: float) -> None: ...
+
+        def _finish(self, room: ReceiverRoom, now: float) -> None: ...
+
+        def _maybe_send_destination(self, room: ReceiverRoom, now: float) -> None: ...
+
+    staging: StagingSlots | None = None
+    _slot_waiters: collections.deque[ReceiverRoom]
+
+    def _init_staging(self, staging: StagingSlots | None) -> None:
+        self.staging = staging
+        self._slot_waiters = collections.deque()
+        """Rooms waiting for free slots, in arrival order."""
+
+    def _staged_register(self, rank: PrefillRank, addr: str) -> dict[str, Any] | None:
+        """Our Register's fields for ``rank`` when it writes into staging, else None."""
+        instance = self.instances.get(addr)
+        if self.staging is None or instance is None or instance.pp_size != 1 \
+                or not self.staging.usable(instance.tp_size):
+            return None
+        return self.staging.register_fields(rank)
+
+    def _take_slots(self, room: ReceiverRoom, staged: list[PrefillRank], now: float) -> bool:
+        """Slots for each of ``staged`` (the room's real ranks that write into staging): True when
+        taken (or none needed); False when the room waits for slots or failed for want of them."""
+        n = len(room.pages)
+        if not staged or n == 0 or room.staged:
+            return True
+        assert self.staging is not None
+        need = n * len(staged)
+        if need > self.staging.slots:
+            self.fail(room, InvalidArgument(
+                f"room {room.room} needs {need} staging slots ({n} pages from each of {len(staged)} prefill ranks "
+                f"holding fewer heads), the decode staging area holds {self.staging.slots}: raise "
+                f"decode_staging_bytes"), now)
+            return False
+        if self._slot_waiters and self._slot_waiters[0] is not room:
+            if room not in self._slot_waiters:
+                self._slot_waiters.append(room)
+            return False  # first come, first served
+        taken: list[tuple[PrefillRank, I32]] = []
+        for rank in staged:
+            slots = self.staging.take(n)
+            if slots is None:
+                for _, got in taken:
+                    self.staging.give(got)  # (never written: the destination has not gone out)
+                if room not in self._slot_waiters:
+                    self._slot_waiters.append(room)
+                return False
+            taken.append((rank, slots))
+        if self._slot_waiters and self._slot_waiters[0] is room:
+            self._slot_waiters.popleft()
+        for rank, slots in taken:
+            dst_offs, nbytes = self.staging.slice_of(rank)
+            room.staged[rank.agent_id] = StagedSlice(rank.agent_id, slots, dst_offs, nbytes)
+        return True
+
+    def _senders_succeeded(self, room: ReceiverRoom, now: float) -> None:
+        """Every real sender succeeded: scatter what was staged, else the room has succeeded."""
+        if room.staged:
+            room.move(Event.SENDERS_STAGED)
+            self.deadlines.arm(room, None)  # (a local copy: it ends, and nothing may abort it midway)
+            self._emit(Scatter(room, tuple(room.staged.values())))
+            return
+        room.move(Event.SENDERS_SUCCEEDED)
+        self._finish(room, now)
+
+    def scattered(self, room: ReceiverRoom, error: BaseException | None, now: float) -> None:
+        """The answer to ``Scatter``: the staged slices are in the pages, or copying them raised."""
+        if room.state is not ReceiverState.SCATTERING:
+            raise ValueError(f"room {room.room} is not scattering ({room.state.name})")
+        if error is not None:
+            room.exception = error
+            log.error("room %d: copying its staged head slices failed: %s", room.room, error)
+            room.move(Event.FAILED)
+        else:
+            room.move(Event.SCATTERED)
+        self._finish(room, now)
+
+    def _release_slots(self, room: ReceiverRoom, now: float) -> None:
+        """A finished room's slots are free (no rank can write into them), and waiting rooms may go on."""
+        if room.staged and self.staging is not None:
+            for part in room.staged.values():
+                self.staging.give(part.slots)
+            room.staged.clear()
+        if room in self._slot_waiters:
+            self._slot_waiters.remove(room)
+        while self._slot_waiters:
+            head = self._slot_waiters[0]
+            if head.state is not ReceiverState.RESOLVING:
+                self._slot_waiters.popleft()
+                continue
+            self._maybe_send_destination(head, now)
+            if self._slot_waiters and self._slot_waiters[0] is head:
+                return  # still too few slots

@@ -1,0 +1,204 @@
+"""Decode's staging area: slots shaped like a prefill rank's pages, for ranks holding fewer heads.
+
+The rules (which rooms take slots, when they are given back) are ``asynckv.proto.decode_staging``;
+this is the memory. One DRAM buffer, registered with the rank's NIXL agent like its KV
+(``np.empty``: address space until used). The first prefill TP larger than ours that is seen
+fixes the shape: slot ``k`` of entry ``e`` is ``item[e] * their_heads / our_heads`` bytes at
+``base[e] + k * that``, and the area holds ``capacity // sum(those)`` slots. (Ranks of a prefill
+at another TP larger than ours are written per token, as without staging.)
+
+Which entries a rank writes is the prefill's business (pairing by layer id): before a room's
+destination goes out, the first 16 bytes of its first slot in every entry get a marker drawn at
+random per area, and an entry whose marker is still there once every sender succeeded was not
+written: it is not copied (a real token row equals the marker with probability 2^-128). Copies
+run on a worker thread above ``SCATTER_INLINE_BYTES``; slots are taken and given back on the
+loop only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..layout import KVArgs
+from ..proto.decode_staging import StagedSlice
+from ..proto.topology import head_slice
+
+if TYPE_CHECKING:
+    from ..proto.bootstrap import PrefillRank
+
+__all__ = ["DecodeStaging", "SCATTER_INLINE_BYTES"]
+
+I32 = npt.NDArray[np.int32]
+U64 = npt.NDArray[np.uint64]
+MARK = 16
+"""Bytes of the unwritten-entry marker."""
+SCATTER_INLINE_BYTES = 1 << 20
+"""A room's staged bytes up to which the copy runs on the loop (a thread hop costs more)."""
+
+
+def applies(a: KVArgs) -> bool:
+    """Whether a decode rank with these buffers can stage: DRAM KV with heads to slice, and no state
+    whose split depends on TP (mamba blocks, SWA head slices; NSA state is whole pages)."""
+    return a.mem_kind == "DRAM" and not a.is_mla and a.state_type in ("none", "nsa")
+
+
+class DecodeStaging:
+    """The area, its slot allocator and the copy out of it (see the module docstring)."""
+
+    def __init__(self, nbytes: int, args: KVArgs) -> None:
+        self.buffer: npt.NDArray[np.uint8] = np.empty(max(nbytes, MARK), dtype=np.uint8)
+        self.addr = int(self.buffer.ctypes.data)
+        self.capacity = len(self.buffer)
+        self.args = args
+        self._items = np.asarray(args.kv_item_lens, dtype=np.uint64)
+        self._marker = np.frombuffer(secrets.token_bytes(MARK), dtype=np.uint8)
+        self.tp_prefill: int | None = None
+        """The prefill TP the slots are shaped for (None: not yet)."""
+        self.slot_items = np.zeros(len(self._items), dtype=np.uint64)
+        self._bases = np.zeros(len(self._items), dtype=np.uint64)
+        """Offset of each entry's first slot in the buffer."""
+        self._slots = 0
+        self._free: list[tuple[int, int]] = []
+        """Free runs of slots (start, length), sorted, never adjacent."""
+        self._kv: dict[int, npt.NDArray[np.uint8]] = {}
+
+    # -- shape ---------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    def usable(self, tp_prefill: int) -> bool:
+        if self.tp_prefill is not None:
+            return tp_prefill == self.tp_prefill
+        a = self.args
+        theirs, ours = self._heads(tp_prefill), a.kv_head_num
+        if tp_prefill <= a.tp_size or ours <= theirs or not len(self._items) \
+                or np.any(self._items % np.uint64(a.page_size * ours)):
+            return False
+        slot_items = self._items // np.uint64(ours) * np.uint64(theirs)
+        slots = self.capacity // int(slot_items.sum())
+        if slots < 1 or int(slot_items.min()) < MARK:
+            return False
+        self.tp_prefill, self.slot_items, self._slots = tp_prefill, slot_items, slots
+        self._bases = np.concatenate(([0], np.cumsum(slot_items[:-1] * np.uint64(slots)))).astype(np.uint64)
+        self._free = [(0, slots)]
+        return True
+
+    def _heads(self, tp_prefill: int) -> int:
+        """KV heads on a prefill rank at ``tp_prefill`` (ranks past the head count replicate one)."""
+        return max(1, self.args.total_kv_head_num // tp_prefill)
+
+    def register_fields(self, rank: PrefillRank) -> dict[str, Any]:
+        """Our pool as a decode rank of ``rank``'s TP holding ``rank``'s heads would register it."""
+        assert self.tp_prefill is not None
+        n = np.uint64(self._slots)
+        return {"tp_size": self.tp_prefill, "engine_rank": rank.tp_rank,
+                "kv_head_num": self._heads(self.tp_prefill),
+                "kv_ptrs": tuple(int(x) for x in self._bases + np.uint64(self.addr)),
+                "kv_lens": tuple(int(x) for x in self.slot_items * n),
+                "kv_item_lens": tuple(int(x) for x in self.slot_items)}
+
+    def slice_of(self, rank: PrefillRank) -> tuple[U64, U64]:
+        a = self.args
+        assert self.tp_prefill is not None
+        hs = head_slice(tp_prefill=self.tp_prefill, tp_decode=a.tp_size, prefill_rank=rank.tp_rank,
+                        decode_rank=a.engine_rank, total_heads=a.total_kv_head_num,
+                        prefill_heads=self._heads(self.tp_prefill), decode_heads=a.kv_head_num,
+                        page_size=a.page_size, src_items=self.slot_items, dst_items=self._items)
+        return hs.dst_offs, hs.nbytes
+
+    # -- slots ---------------------------------------------------------------------------
+
+    def take(self, n: int) -> I32 | None:
+        """``n`` slots, from the lowest free runs (contiguous where they can be: a run of pages is one
+        descriptor), each entry's first slot marked unwritten; None when fewer are free."""
+        if n <= 0 or sum(length for _, length in self._free) < n:
+            return None
+        parts, left = [], n
+        while left:
+            start, length = self._free[0]
+            got = min(length, left)
+            parts.append(np.arange(start, start + got, dtype=np.int32))
+            if got == length:
+                del self._free[0]
+            else:
+                self._free[0] = (start + got, length - got)
+            left -= got
+        slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.buffer[self._marks(int(slots[0]))] = self._marker
+        return slots
+
+    def give(self, slots: I32) -> None:
+        runs = np.split(slots, np.flatnonzero(np.diff(slots) != 1) + 1)
+        free = self._free + [(int(r[0]), len(r)) for r in runs if len(r)]
+        free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, length in free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+
+    @property
+    def free_slots(self) -> int:
+        return sum(length for _, length in self._free)
+
+    def _marks(self, slot: int) -> npt.NDArray[np.intp]:
+        """Buffer indices of the marker of ``slot`` in every entry: shape (entries, MARK)."""
+        first = self._bases + np.uint64(slot) * self.slot_items
+        return (first.astype(np.intp)[:, None] + np.arange(MARK, dtype=np.intp)[None, :])
+
+    # -- the copy ------------------------------------------------------------------------
+
+    def nbytes(self, slices: tuple[StagedSlice, ...]) -> int:
+        """Bytes ``scatter`` copies at most."""
+        return sum(len(s.slots) * int(s.nbytes.sum()) for s in slices) * self.args.page_size
+
+    def scatter(self, pages: I32, slices: tuple[StagedSlice, ...]) -> int:
+        """Copy each slice's slots into ``pages`` (slot ``k`` into page ``pages[k]``); entries a rank did
+        not write are left alone. Returns the entries copied."""
+        a, copied = self.args, 0
+        for part in slices:
+            if not len(part.slots):
+                continue
+            written = ~np.all(self.buffer[self._marks(int(part.slots[0]))] == self._marker, axis=1)
+            runs = _runs(part.slots)
+            for e in np.flatnonzero(written).tolist():
+                n, lo = int(part.nbytes[e]), int(part.dst_offs[e])
+                base, size = int(self._bases[e]), int(self.slot_items[e]) * self._slots
+                stage = self.buffer[base:base + size].reshape(self._slots, a.page_size, n)
+                kv = self._kv_view(e)
+                for i, j in runs:  # a view of each run of slots; its pages a slice too where they run on
+                    s0, p0 = int(part.slots[i]), int(pages[i])
+                    if j - i == 1 or np.all(np.diff(pages[i:j]) == 1):  # (a slice copies faster)
+                        kv[p0:p0 + j - i, :, lo:lo + n] = stage[s0:s0 + j - i]
+                    else:
+                        kv[pages[i:j], :, lo:lo + n] = stage[s0:s0 + j - i]
+                copied += 1
+        return copied
+
+    def _kv_view(self, entry: int) -> npt.NDArray[np.uint8]:
+        """Entry ``entry`` of our KV as (pages, page_size, token row bytes)."""
+        view = self._kv.get(entry)
+        if view is None:
+            a = self.args
+            n = int(a.kv_data_lens[entry])
+            raw = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(int(a.kv_data_ptrs[entry])))
+            item = int(a.kv_item_lens[entry])
+            view = self._kv[entry] = raw[:item * (n // item)].reshape(n // item, a.page_size, -1)
+        return view
+
+
+def _runs(slots: I32) -> list[tuple[int, int]]:
+    """``[i, j)`` ranges of positions over which the slots advance by one (taken in runs: usually one)."""
+    cut = np.flatnonzero(np.diff(slots) != 1) + 1
+    bounds = [0, *cut.tolist(), len(slots)]
+    return list(itertools.pairwise(bounds))

@@ -1,0 +1,146 @@
+"""Decode staging with real NIXL and real control: two TP2 prefill ranks write whole pages into a TP1
+decode's staging slots, and decode copies their heads into its pages. Bytes are checked token row by
+token row; an aborted room's pages are never written at all, and its slots wait for its fence."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
+from asynckv.service.decode_staging import DecodeStaging
+from asynckv.testing import FaultInjector, KVPool, fill_pages, inject
+
+from .conftest import CONTROL
+
+pytestmark = pytest.mark.integration
+
+PAGE, HEADS, HEAD_BYTES, PAGES = 4, 4, 16, 16
+ITEM = PAGE * HEADS * HEAD_BYTES
+"""A decode page of one entry: 4 tokens x 4 heads x 16 bytes; each TP2 prefill rank holds 2 of the heads."""
+
+
+@contextlib.asynccontextmanager
+async def tp2_to_tp1(staging_bytes: int) -> AsyncIterator[tuple[list[KVManager], KVManager, list[KVPool], KVPool, str]]:
+    cfg = Config(**CONTROL, host_bootstrap=False, waiting_timeout_s=20, decode_staging_bytes=staging_bytes)
+    async with BootstrapServer("127.0.0.1", 0) as server, contextlib.AsyncExitStack() as stack:
+        dpool = KVPool(2, PAGES, ITEM, aux_rows=4)
+        ppools = [KVPool(2, PAGES, ITEM // 2, aux_rows=4) for _ in range(2)]
+        prefill = [await stack.enter_async_context(KVManager(
+            Mode.PREFILL, ppools[r].kv_args(PAGE, tp_size=2, engine_rank=r, kv_head_num=HEADS // 2,
+                                            total_kv_head_num=HEADS), bootstrap_addr=server.addr, config=cfg))
+            for r in range(2)]
+        decode = await stack.enter_async_context(KVManager(
+            Mode.DECODE, dpool.kv_args(PAGE, kv_head_num=HEADS, total_kv_head_num=HEADS), config=cfg))
+        yield prefill, decode, ppools, dpool, server.addr
+
+
+def staging_of(decode: KVManager) -> DecodeStaging:
+    staging = decode._svc.staging  # type: ignore[union-attr]
+    assert isinstance(staging, DecodeStaging)
+    return staging
+
+
+async def start_room(prefill: list[KVManager], decode: KVManager, addr: str, room: int, src: list[int],
+                     dst: list[int]) -> tuple[object, list[object]]:
+    receiver = decode.receiver(addr, room)
+    await receiver.init(dst)
+    senders = [p.sender(room) for p in prefill]
+    for s in senders:
+        await s.wait_ready(5)
+        s.init(len(src))
+        await s.send(src)
+    return receiver, senders
+
+
+def expected_rows(ppools: list[KVPool], src: list[int]) -> np.ndarray:
+    """Decode's token rows for ``src``: each prefill rank's rows side by side, rank 0's heads first."""
+    halves = [p.kv[:, src].view(np.uint8).reshape(2, len(src), PAGE, ITEM // PAGE // 2) for p in ppools]
+    return np.concatenate(halves, axis=3)
+
+
+def rows(dpool: KVPool, dst: list[int]) -> np.ndarray:
+    return dpool.kv[:, dst].view(np.uint8).reshape(2, len(dst), PAGE, ITEM // PAGE)
+
+
+async def test_staged_rooms_land_each_ranks_heads_in_place_in_chunks_and_in_parallel() -> None:
+    async with tp2_to_tp1(2 * 2**20) as (prefill, decode, ppools, dpool, addr):
+        assert staging_of(decode).slots == 0  # shaped by the first prefill TP it registers with
+        rooms = [(1, [0, 1, 2], [9, 4, 5]), (2, [5, 6], [0, 15]), (3, [7, 8, 9, 10], [10, 11, 12, 13])]
+        for room, src, _ in rooms:
+            for r, pool in enumerate(ppools):
+                fill_pages(pool, room * 10 + r, src)
+        started = [await start_room(prefill, decode, addr, room, src, dst) for room, src, dst in rooms]
+        for (receiver, senders), (room, src, dst) in zip(started, rooms, strict=True):
+            assert await receiver.wait(10) == KVPoll.Success, receiver.failure_reason  # type: ignore[attr-defined]
+            assert [await s.wait(10) for s in senders] == [KVPoll.Success] * 2  # type: ignore[attr-defined]
+            assert np.array_equal(rows(dpool, dst), expected_rows(ppools, src)), f"room {room}"
+        untouched = sorted(set(range(PAGES)) - {p for *_, dst in rooms for p in dst})
+        assert not dpool.kv[:, untouched].any()
+        staging = staging_of(decode)
+        assert staging.slots == 2 * 2**20 // (2 * ITEM // 2) and staging.free_slots == staging.slots
+
+
+async def test_an_aborted_staged_room_writes_nothing_into_its_pages_and_frees_its_slots_once_fenced() -> None:
+    async with tp2_to_tp1(2 * 2**20) as (prefill, decode, ppools, dpool, addr):
+        staging = staging_of(decode)
+        receiver, senders = await start_room(prefill, decode, addr, 1, [0], [0])  # first contact
+        assert await receiver.wait(10) == KVPoll.Success  # type: ignore[attr-defined]
+        injector = FaultInjector()
+        inject(prefill[0], injector)
+        injector.delay_posts(0.3)  # rank 0's write lands 0.3 s after it is posted
+        for r, pool in enumerate(ppools):
+            fill_pages(pool, 20 + r, [3, 4])
+        dpool.kv[:] = 0
+        receiver, senders = await start_room(prefill, decode, addr, 2, [3, 4], [6, 7])
+        await asyncio.sleep(0.05)
+        assert staging.free_slots == staging.slots - 4
+        assert await receiver.abort("gave up") == KVPoll.Failed  # type: ignore[attr-defined]
+        assert staging.free_slots == staging.slots  # fenced (rank 0 cancelled its write): the slots are free
+        await asyncio.sleep(0.4)
+        assert not dpool.kv.any()  # the write went into staging; nothing was copied out
+        inject(prefill[0], None)
+        for s in senders:
+            s.clear()  # type: ignore[attr-defined]
+        receiver.clear()  # type: ignore[attr-defined]
+        for r, pool in enumerate(ppools):
+            fill_pages(pool, 30 + r, [5])
+        receiver, senders = await start_room(prefill, decode, addr, 3, [5], [6])
+        assert await receiver.wait(10) == KVPoll.Success  # type: ignore[attr-defined]
+        assert np.array_equal(rows(dpool, [6]), expected_rows(ppools, [5]))
+        assert staging.free_slots == staging.slots
+
+
+async def test_rooms_queue_for_a_small_area_and_one_larger_than_it_fails_naming_the_setting() -> None:
+    async with tp2_to_tp1(4 * ITEM) as (prefill, decode, ppools, dpool, addr):  # 4 slots: 2 pages a room
+        staging = staging_of(decode)
+        for r, pool in enumerate(ppools):
+            fill_pages(pool, 40 + r, list(range(8)))
+        receivers = []
+        for room in range(1, 5):  # each takes the whole area: they go one after the other
+            receiver = decode.receiver(addr, room)
+            receiver.init_nowait([2 * room, 2 * room + 1])  # (init() would wait for the room's turn)
+            receivers.append(receiver)
+
+        async def serve(p: KVManager) -> None:
+            for room in range(1, 5):
+                s = p.sender(room)
+                await s.wait_ready(10)
+                s.init(2)
+                await s.send([2 * room - 2, 2 * room - 1])
+                assert await s.wait(10) == KVPoll.Success
+                s.clear()
+
+        await asyncio.gather(*(serve(p) for p in prefill))
+        assert [await r.wait(10) for r in receivers] == [KVPoll.Success] * 4
+        assert staging.slots == 4
+        for room in range(1, 5):
+            assert np.array_equal(rows(dpool, [2 * room, 2 * room + 1]),
+                                  expected_rows(ppools, [2 * room - 2, 2 * room - 1]))
+        big = decode.receiver(addr, 9)
+        assert await big.init([0, 1, 2]) == KVPoll.Failed and "decode_staging_bytes" in (big.failure_reason or "")
+        assert staging.free_slots == staging.slots

@@ -1,0 +1,226 @@
+"""Decode staging rules, driven directly on a ``DecodeCore`` (TP2 prefill -> TP1 decode, 8 heads):
+what each prefill rank is told, when slots are taken and given back, the order of waiting rooms, and
+what the copy leaves alone. The area is real memory (``DecodeStaging``); nothing crosses a network."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asynckv.config import Config
+from asynckv.errors import InvalidArgument
+from asynckv.layout import KVArgs
+from asynckv.proto import actions as act
+from asynckv.proto.bootstrap import PrefillRank
+from asynckv.proto.decode import DecodeCore
+from asynckv.proto.messages import Register, RegisterResult, Status, TransferInfo
+from asynckv.proto.states import KVPoll, ReceiverState
+from asynckv.proto.topology import PrefillInstance, stub_agent_metadata
+from asynckv.service.decode_staging import DecodeStaging
+
+ADDR = "10.0.0.1:8998"
+ME = "decode-agent-0001"
+PAGE, HEADS, HEAD_BYTES, PAGES, LAYERS = 4, 8, 8, 32, 2
+ITEM = PAGE * HEADS * HEAD_BYTES
+"""A decode page of one entry: 4 tokens x 8 heads x 8 bytes; a TP2 prefill rank's is half of it."""
+
+
+def decode_args(kv: np.ndarray) -> KVArgs:
+    return KVArgs(kv_data_ptrs=[int(kv[e].ctypes.data) for e in range(len(kv))], kv_data_lens=[kv[0].nbytes] * len(kv),
+                  kv_item_lens=[ITEM] * len(kv), aux_data_ptrs=[], aux_data_lens=[], aux_item_lens=[],
+                  page_size=PAGE, tp_size=1, engine_rank=0, kv_head_num=HEADS, total_kv_head_num=HEADS)
+
+
+def rank(tp: int) -> PrefillRank:
+    return PrefillRank(tp_size=2, tp_rank=tp, pp_size=1, pp_rank=0, dp_size=1, dp_rank=0,
+                       endpoint=f"tcp://10.0.0.1:{17000 + tp}", agent_id=f"prefill-{tp}", page_size=PAGE,
+                       kv_dtype="bfloat16", is_mla=False)
+
+
+INSTANCE = PrefillInstance(tp_size=2, pp_size=1, dp_size=1, page_size=PAGE, kv_dtype="bfloat16", is_mla=False,
+                           protocol_version=rank(0).protocol_version, ranks={(0, t, 0): rank(t) for t in (0, 1)})
+
+
+class Rig:
+    """A decode core with a staging area of ``slots`` slots, its KV in ``self.kv``."""
+
+    def __init__(self, slots: int = 8) -> None:
+        self.kv = np.zeros((2 * LAYERS, PAGES * ITEM), dtype=np.uint8)
+        args = decode_args(self.kv)
+        self.staging = DecodeStaging(slots * 2 * LAYERS * ITEM // 2, args)
+        register = Register(
+            decode_id=ME, prefill_id="", session=0, lease_ms=0, endpoint="tcp://10.0.0.9:5000", engine_rank=0,
+            tp_size=1, page_size=PAGE, kv_dtype="bfloat16", mem_kind="DRAM", is_mla=False, gpu_id=0,
+            kv_ptrs=tuple(args.kv_data_ptrs), kv_lens=tuple(args.kv_data_lens), kv_item_lens=tuple(args.kv_item_lens),
+            kv_layer_ids=tuple(range(2 * LAYERS)), aux_ptrs=(), aux_lens=(), aux_item_lens=(), scratch_ptr=0,
+            scratch_len=0, kv_head_num=HEADS, total_kv_head_num=HEADS, state_type="none", state_ptrs=(),
+            state_lens=(), state_item_lens=(), state_layer_ids=(), state_dims=(), state_outer=(),
+            agent_metadata=stub_agent_metadata(ME))
+        self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, Config(), register, itertools.count(1), self.staging)
+        self.now = 0.0
+        self.core.topology_fetched(ADDR, INSTANCE, self.now)
+        self.out: list[act.Action] = []
+        self.sessions: dict[str, int] = {}
+
+    def take(self) -> list[act.Action]:
+        self.out += self.core.actions()
+        got, self.out = self.out, []
+        for a in got:
+            if isinstance(a, act.Send) and isinstance(a.msg, Register):
+                self.sessions[a.msg.prefill_id] = a.msg.session
+        return got
+
+    def room(self, room: int, pages: list[int]) -> Any:
+        r = self.core.open_receiver(ADDR, room, self.now)
+        self.core.receiver_init(r, pages, -1, None, 0, self.now)
+        return r
+
+    def registered(self) -> list[act.Action]:
+        out = self.take()
+        for agent in ("prefill-0", "prefill-1"):
+            self.core.receive(RegisterResult(agent, ME, self.sessions[agent], True, ""), self.now)
+        return out + self.take()
+
+    def succeed(self, r: Any, agents: tuple[str, ...] = ("prefill-0", "prefill-1")) -> list[act.Action]:
+        for agent in agents:
+            self.core.receive(Status(r.room, r.epoch, agent, self.sessions[agent], int(agent[-1]), True, ""), self.now)
+        return self.take()
+
+
+def infos(actions: list[act.Action]) -> dict[tuple[int, str], TransferInfo]:
+    return {(a.msg.room, a.msg.prefill_id): a.msg for a in actions
+            if isinstance(a, act.Send) and isinstance(a.msg, TransferInfo)}
+
+
+def test_each_prefill_rank_sees_a_decode_of_its_own_tp_whose_pages_are_staging_slots() -> None:
+    rig = Rig()
+    rig.room(1, [5, 9, 2])
+    regs = [a.msg for a in rig.take() if isinstance(a, act.Send) and isinstance(a.msg, Register)]
+    assert {r.prefill_id for r in regs} == {"prefill-0", "prefill-1"}
+    for reg in regs:  # as a TP2 decode holding that rank's 4 heads would register
+        assert (reg.tp_size, reg.engine_rank, reg.kv_head_num) == (2, int(reg.prefill_id[-1]), 4)
+        assert reg.kv_item_lens == (ITEM // 2,) * (2 * LAYERS)
+        assert reg.kv_ptrs[0] == rig.staging.addr and all(n == rig.staging.slots * ITEM // 2 for n in reg.kv_lens)
+        assert reg.kv_layer_ids == tuple(range(2 * LAYERS)) and reg.total_kv_head_num == HEADS
+    for agent in ("prefill-0", "prefill-1"):
+        rig.core.receive(RegisterResult(agent, ME, rig.sessions[agent], True, ""), rig.now)
+    sent = infos(rig.take())
+    slots = {agent: sent[(1, agent)].dst_pages.tolist() for agent in ("prefill-0", "prefill-1")}
+    assert slots == {"prefill-0": [0, 1, 2], "prefill-1": [3, 4, 5]}  # each its own slots, in page order
+    assert rig.staging.free_slots == rig.staging.slots - 6
+
+
+def test_success_waits_for_the_copy_and_the_copy_lands_each_ranks_heads_in_its_slice() -> None:
+    rig = Rig()
+    r = rig.room(1, [5, 9, 2])
+    sent = infos(rig.registered())
+    stage = rig.staging.buffer
+    half = ITEM // 2
+    for agent, fill in (("prefill-0", 0x11), ("prefill-1", 0x22)):  # what each rank's write would leave
+        for e in range(2 * LAYERS):
+            base = int(rig.staging._bases[e])
+            for k in sent[(1, agent)].dst_pages.tolist():
+                stage[base + k * half:base + (k + 1) * half] = fill + e
+    out = rig.succeed(r)
+    [scatter] = [a for a in out if isinstance(a, act.Scatter)]
+    assert r.state is ReceiverState.SCATTERING and r.poll() is KVPoll.Transferring
+    assert not [a for a in out if isinstance(a, act.Finished)]
+    assert rig.staging.scatter(r.pages, scatter.slices) == 2 * 2 * LAYERS
+    rig.core.scattered(r, None, rig.now)
+    assert r.poll() is KVPoll.Success and [a for a in rig.take() if isinstance(a, act.Finished)]
+    rows = rig.kv.reshape(2 * LAYERS, PAGES, PAGE, HEADS * HEAD_BYTES)
+    row = HEADS * HEAD_BYTES // 2
+    for e in range(2 * LAYERS):
+        assert np.all(rows[e, [5, 9, 2], :, :row] == 0x11 + e)  # heads 0-3 from rank 0
+        assert np.all(rows[e, [5, 9, 2], :, row:] == 0x22 + e)  # heads 4-7 from rank 1
+        assert not np.any(rows[e, [0, 1, 3, 4, 6, 7, 8, 10]])  # no other page touched
+    assert rig.staging.free_slots == rig.staging.slots
+
+
+def test_an_entry_a_rank_did_not_write_is_not_copied() -> None:
+    rig = Rig()
+    r = rig.room(1, [3])
+    sent = infos(rig.registered())
+    k = int(sent[(1, "prefill-0")].dst_pages[0])
+    base = int(rig.staging._bases[0])
+    rig.staging.buffer[base + k * ITEM // 2:base + (k + 1) * ITEM // 2] = 7  # rank 0 wrote entry 0 only
+    [scatter] = [a for a in rig.succeed(r) if isinstance(a, act.Scatter)]
+    rig.kv[:] = 0xEE
+    assert rig.staging.scatter(r.pages, scatter.slices) == 1
+    rows = rig.kv.reshape(2 * LAYERS, PAGES, PAGE, HEADS * HEAD_BYTES)
+    assert np.all(rows[0, 3, :, :ITEM // PAGE // 2] == 7) and np.all(rows[0, 3, :, ITEM // PAGE // 2:] == 0xEE)
+    assert np.all(rows[1:] == 0xEE)
+
+
+def test_rooms_wait_for_slots_in_arrival_order_and_go_on_as_rooms_finish() -> None:
+    rig = Rig(slots=8)  # 4 pages a room take 8 slots: one room at a time
+    first = rig.room(1, [0, 1, 2, 3])
+    assert infos(rig.registered())
+    second = rig.room(2, [4, 5, 6, 7])
+    third = rig.room(3, [8])
+    assert not infos(rig.take()) and second.state is third.state is ReceiverState.RESOLVING
+    assert [a for a in rig.succeed(first) if isinstance(a, act.Scatter)]
+    assert not infos(rig.take())  # the copy has not given the slots back yet
+    rig.core.scattered(first, None, rig.now)
+    assert set(infos(rig.take())) == {(2, "prefill-0"), (2, "prefill-1")}  # the second, not the smaller third
+    assert third.state is ReceiverState.RESOLVING
+    rig.core.abort_receiver(second, InvalidArgument("gone"), rig.now)  # fencing: its slots stay taken
+    assert not infos(rig.take()) and second.state is ReceiverState.FENCING
+    for agent in ("prefill-0", "prefill-1"):
+        rig.core.receive(Status(2, second.epoch, agent, rig.sessions[agent], 0, False, "aborted"), rig.now)
+    assert second.poll() is KVPoll.Failed
+    assert set(infos(rig.take())) == {(3, "prefill-0"), (3, "prefill-1")}
+    rig.succeed(third)
+    rig.core.scattered(third, RuntimeError("copy failed"), rig.now)
+    assert third.poll() is KVPoll.Failed and third.reason == "copy failed"
+    assert rig.staging.free_slots == rig.staging.slots
+    assert rig.core.room_counts() == {"receivers": 3, "fencing_rooms": 0, "registrations_pending": 0,
+                                      "topology_lookups": 0}
+
+
+def test_a_room_larger_than_the_area_fails_at_once_naming_the_setting() -> None:
+    rig = Rig(slots=4)
+    rig.take()
+    r = rig.room(1, [0, 1, 2])  # 2 ranks x 3 pages
+    rig.registered()
+    assert r.poll() is KVPoll.Failed and "decode_staging_bytes" in (r.reason or "")
+    assert rig.staging.free_slots == rig.staging.slots
+
+
+def test_a_room_cleared_while_copying_finishes_unseen_and_close_waits_for_it() -> None:
+    rig = Rig()
+    r = rig.room(1, [0, 1])
+    rig.registered()
+    rig.succeed(r)
+    rig.core.clear_receiver(r, rig.now)
+    rig.core.close(rig.now)
+    assert not [a for a in rig.take() if isinstance(a, act.Closed)]  # the copy still writes its pages
+    assert rig.core.room_counts()["fencing_rooms"] == 1
+    rig.core.scattered(r, None, rig.now)
+    assert [a for a in rig.take() if isinstance(a, act.Closed)]
+    assert rig.staging.free_slots == rig.staging.slots and rig.core.room_counts()["fencing_rooms"] == 0
+
+
+def test_abort_of_a_room_being_copied_changes_nothing() -> None:
+    rig = Rig()
+    r = rig.room(1, [0])
+    rig.registered()
+    rig.succeed(r)
+    rig.core.abort_receiver(r, InvalidArgument("late"), rig.now)
+    assert r.state is ReceiverState.SCATTERING and not [a for a in rig.take() if isinstance(a, act.Send)]
+    rig.core.scattered(r, None, rig.now)
+    assert r.poll() is KVPoll.Success
+    with pytest.raises(ValueError, match="not scattering"):
+        rig.core.scattered(r, None, rig.now)
+
+
+@pytest.mark.parametrize("tp_prefill, usable", [(1, False), (2, True), (4, True), (8, True), (16, True)])
+def test_the_area_is_shaped_once_for_a_prefill_tp_that_holds_fewer_heads(tp_prefill: int, usable: bool) -> None:
+    rig = Rig()
+    assert rig.staging.usable(tp_prefill) is usable  # (16: one head per rank, each held by two ranks)
+    if usable:
+        assert rig.staging.slot_items.tolist() == [ITEM * max(1, HEADS // tp_prefill) // HEADS] * (2 * LAYERS)
+        assert not rig.staging.usable(2 if tp_prefill != 2 else 4)  # one shape per area
