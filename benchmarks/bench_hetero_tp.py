@@ -6,17 +6,20 @@ buffer at TP1. 16 requests of 32 pages, 4 in flight, every rank a manager in thi
 event loop; each prefill rank has its engine threads). TP1 -> TP2: each decode rank takes 4 of
 the prefill rank's 8 heads, its whole token row, so the prefill gathers the slices into its
 staging area and sends one descriptor per page; the same run with staging off sends one per
-token. TP2 -> TP1: each prefill rank's 4 heads go into half of every decode token row, one
-descriptor per token (no staging can help a strided destination on the prefill side). Rounds
-interleave the cases; medians and min-max spread. CPU: this process's, per GB moved.
+token. TP2 -> TP1: each prefill rank's 4 heads go into half of every decode token row: with
+decode staging (``decode_staging_bytes``) each rank writes its whole pages into the decode's
+staging slots, one descriptor per page, and the decode copies them into place; without it, one
+descriptor per token. Rounds interleave the cases; medians and min-max spread. CPU: this
+process's, per GB moved.
 
-The machine's limit for a staged TP1 -> TP2, measured in the same rounds: staging adds a copy of
-every byte (the gather) to the write, and here both are CPU copies on the same two cores (CMA
-copies inside the posting thread). Equal TP already keeps both cores copying, so a staged write
-can at best take the equal-TP time plus the gather's: ceiling = 1 / (1/E + 1/G), with E the
-equal-TP GB/s and G the GB/s of gathering the same slices on two threads (as the rank's two
-build threads do). On a GPU host the gather runs on the GPU and the NIC copies, so the
-ceiling there is equal TP itself.
+The machine's limit for a staged write, measured in the same rounds: staging adds a copy of
+every byte (the prefill's gather, or the decode's scatter) to the write, and here both are CPU
+copies on the same two cores (CMA copies inside the posting thread). Equal TP already keeps both
+cores copying, so a staged write can at best take the equal-TP time plus the gather's: ceiling =
+1 / (1/E + 1/G), with E the equal-TP GB/s and G the GB/s of gathering the same slices on two
+threads (as the rank's two build threads do; the scatter is the same strided copy the other way).
+On a GPU host the gather runs on the GPU and the NIC copies, so the ceiling there is equal TP
+itself.
 """
 
 from __future__ import annotations

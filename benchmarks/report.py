@@ -129,8 +129,8 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
                          f"{r['ratio_vs_equal_tp']:.2f}x | >= 0.8x |")
             if "staged_ceiling_gbps" in r:
                 lines.append(f"| heterogeneous TP: {r['case']}, against this machine's limit for staging | "
-                             f"{r['gbps']:.2f} GB/s | equal TP plus a gather of the same slices on two threads "
-                             f"({ht['gather_gbps']:.2f} GB/s): {r['staged_ceiling_gbps']:.2f} GB/s, "
+                             f"{r['gbps']:.2f} GB/s | equal TP plus a gather (or scatter) of the same slices on two "
+                             f"threads ({ht['gather_gbps']:.2f} GB/s): {r['staged_ceiling_gbps']:.2f} GB/s, "
                              f"{r['staged_ceiling_gbps'] / equal['gbps']:.2f}x equal TP | "
                              f"{r['ratio_vs_staged_ceiling']:.2f}x | |")
     ct = _load(out, "control_transport")

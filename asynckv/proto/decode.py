@@ -390,7 +390,7 @@ class DecodeCore(StagingRules, RegistrationRules):
     def room_counts(self) -> dict[str, int]:
         return {"receivers": len(self.rooms), "fencing_rooms": len(self.fencing),
                 "registrations_pending": sum(1 for r in self.registrations.values() if not r.registered),
-                "topology_lookups": len(self.fetching)}
+                "topology_lookups": len(self.fetching), "waiting_for_staging": len(self._slot_waiters)}
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """Rooms by state and peers with their unfinished rooms: plain JSON types only."""

@@ -162,6 +162,7 @@ def test_rooms_wait_for_slots_in_arrival_order_and_go_on_as_rooms_finish() -> No
     second = rig.room(2, [4, 5, 6, 7])
     third = rig.room(3, [8])
     assert not infos(rig.take()) and second.state is third.state is ReceiverState.RESOLVING
+    assert rig.core.room_counts()["waiting_for_staging"] == 2
     assert [a for a in rig.succeed(first) if isinstance(a, act.Scatter)]
     assert not infos(rig.take())  # the copy has not given the slots back yet
     rig.core.scattered(first, None, rig.now)
@@ -178,7 +179,7 @@ def test_rooms_wait_for_slots_in_arrival_order_and_go_on_as_rooms_finish() -> No
     assert third.poll() is KVPoll.Failed and third.reason == "copy failed"
     assert rig.staging.free_slots == rig.staging.slots
     assert rig.core.room_counts() == {"receivers": 3, "fencing_rooms": 0, "registrations_pending": 0,
-                                      "topology_lookups": 0}
+                                      "topology_lookups": 0, "waiting_for_staging": 0}
 
 
 def test_a_room_larger_than_the_area_fails_at_once_naming_the_setting() -> None:
