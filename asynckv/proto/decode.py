@@ -101,17 +101,18 @@ class DecodeCore(StagingRules, RegistrationRules):
         return earliest(when, self._next_beat) if len(self.liveness) else when
 
     def handle_timer(self, now: float) -> None:
-        for owner in self.deadlines.pop_due(now):
-            if isinstance(owner, Registration):
-                self._registration_timeout(owner, now)
-            elif owner.state is ReceiverState.FENCING:
-                self._fence_deadline(owner, now)
-            elif owner.active:
-                self.fail(owner, WaitingTimeout(
-                    f"room {owner.room}: no result from prefill {owner.addr} after "
-                    f"{self.config.waiting_timeout_s:.1f}s in {owner.poll().name}"), now)
-        if self._beat_due(now):
-            self._heartbeat(now)
+        with self._failing_several(now):
+            for owner in self.deadlines.pop_due(now):
+                if isinstance(owner, Registration):
+                    self._registration_timeout(owner, now)
+                elif owner.state is ReceiverState.FENCING:
+                    self._fence_deadline(owner, now)
+                elif owner.active:
+                    self.fail(owner, WaitingTimeout(
+                        f"room {owner.room}: no result from prefill {owner.addr} after "
+                        f"{self.config.waiting_timeout_s:.1f}s in {owner.poll().name}"), now)
+            if self._beat_due(now):
+                self._heartbeat(now)
 
     def topology_fetched(self, addr: str, result: PrefillInstance | BaseException, now: float
                          ) -> LayoutMismatch | None:
@@ -132,7 +133,8 @@ class DecodeCore(StagingRules, RegistrationRules):
             return exc
         old = self.instances.get(addr)
         if old is not None:
-            self._retire_replaced(old, result, now)
+            with self._failing_several(now):
+                self._retire_replaced(old, result, now)
         self.instances[addr] = result
         self.fetched_at[addr] = now
         for room in waiting:
@@ -147,9 +149,10 @@ class DecodeCore(StagingRules, RegistrationRules):
         if self.closing:
             return
         self.closing = True
-        for room in list(self.rooms.values()):
-            self.fail(room, ClosedError("manager closed"), now)
-            self.clear_receiver(room, now)
+        with self._failing_several(now):
+            for room in list(self.rooms.values()):
+                self.fail(room, ClosedError("manager closed"), now)
+                self.clear_receiver(room, now)
         self._maybe_closed()
 
     # -- receiver API --------------------------------------------------------------------

@@ -18,8 +18,10 @@ fence completes, as they keep their pages: a rank may still be writing into them
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -84,6 +86,7 @@ class StagingRules(Core):
     if TYPE_CHECKING:
         rooms: dict[int, ReceiverRoom]
         instances: dict[str, PrefillInstance]
+        closing: bool
 
         def fail(self, room: ReceiverRoom, error: BaseException, now: float) -> None: ...
 
@@ -98,6 +101,22 @@ class StagingRules(Core):
         self.staging = staging
         self._slot_waiters = collections.deque()
         """Rooms waiting for free slots, in arrival order."""
+        self._batching = 0
+        self._retry_due = False
+
+    @contextlib.contextmanager
+    def _failing_several(self, now: float) -> Iterator[None]:
+        """While a loop fails several rooms (close, a timer tick), slots they free go to waiting rooms
+        only after it: a waiting room handed slots midway could be the next one the loop fails, its
+        destination just sent (it would then fence on a transfer started by its own failure)."""
+        self._batching += 1
+        try:
+            yield
+        finally:
+            self._batching -= 1
+            if not self._batching and self._retry_due:
+                self._retry_due = False
+                self._serve_waiters(now)
 
     def _staged_register(self, rank: PrefillRank, addr: str) -> dict[str, Any] | None:
         """Our Register's fields for ``rank`` when it writes into staging, else None."""
@@ -172,7 +191,15 @@ class StagingRules(Core):
             room.staged.clear()
         if room in self._slot_waiters:
             self._slot_waiters.remove(room)
-        while self._slot_waiters:
+        if self._batching:
+            self._retry_due = bool(self._slot_waiters)
+            return
+        self._serve_waiters(now)
+
+    def _serve_waiters(self, now: float) -> None:
+        """Send the destinations of waiting rooms, first come first served, while slots last (none
+        once closing: close fails them all)."""
+        while self._slot_waiters and not self.closing:
             head = self._slot_waiters[0]
             if head.state is not ReceiverState.RESOLVING:
                 self._slot_waiters.popleft()

@@ -1,0 +1,658 @@
+"""Adversarial checks of decode staging, driven directly on a ``DecodeCore`` with hand-made messages,
+as ``test_decode_staging`` does: every pair of events around slots (fencing, the queue, the copy,
+close, timers, dead and restarted peers). The core takes ``now`` explicitly, so nothing here sleeps.
+Written by a reviewer briefed only with the feature's promises; the three tests of rooms failing
+together (close, one timer tick, peers declared dead in one heartbeat) failed on the first version."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asynckv.config import Config
+from asynckv.errors import InvalidArgument, PeerUnreachable
+from asynckv.layout import KVArgs
+from asynckv.proto import actions as act
+from asynckv.proto.bootstrap import PrefillRank
+from asynckv.proto.decode import DecodeCore
+from asynckv.proto.messages import Bye, Ping, Register, RegisterResult, Status, TransferInfo
+from asynckv.proto.states import KVPoll, ReceiverState
+from asynckv.proto.topology import PrefillInstance, stub_agent_metadata
+from asynckv.service.decode_staging import DecodeStaging
+
+ADDR = "10.0.0.1:8998"
+ADDR_B = "10.0.0.2:8998"
+ME = "decode-agent-0001"
+PAGE, HEADS, HEAD_BYTES, PAGES, LAYERS = 4, 8, 8, 32, 2
+ITEM = PAGE * HEADS * HEAD_BYTES
+ENTRIES = 2 * LAYERS
+
+
+def decode_args(kv: np.ndarray, tp: int = 1, engine_rank: int = 0) -> KVArgs:
+    return KVArgs(kv_data_ptrs=[int(kv[e].ctypes.data) for e in range(len(kv))], kv_data_lens=[kv[0].nbytes] * len(kv),
+                  kv_item_lens=[ITEM] * len(kv), aux_data_ptrs=[], aux_data_lens=[], aux_item_lens=[],
+                  page_size=PAGE, tp_size=tp, engine_rank=engine_rank, kv_head_num=HEADS,
+                  total_kv_head_num=HEADS * tp)
+
+
+def prank(tp_size: int, tp: int, prefix: str = "prefill", host: str = "10.0.0.1") -> PrefillRank:
+    return PrefillRank(tp_size=tp_size, tp_rank=tp, pp_size=1, pp_rank=0, dp_size=1, dp_rank=0,
+                       endpoint=f"tcp://{host}:{17000 + tp}", agent_id=f"{prefix}-{tp}", page_size=PAGE,
+                       kv_dtype="bfloat16", is_mla=False)
+
+
+def instance(tp_size: int, prefix: str = "prefill", host: str = "10.0.0.1") -> PrefillInstance:
+    return PrefillInstance(tp_size=tp_size, pp_size=1, dp_size=1, page_size=PAGE, kv_dtype="bfloat16", is_mla=False,
+                           protocol_version=prank(tp_size, 0).protocol_version,
+                           ranks={(0, t, 0): prank(tp_size, t, prefix, host) for t in range(tp_size)})
+
+
+class Rig:
+    """A decode core (TP ``tp``, this rank ``engine_rank``) with a staging area of ``slots`` slots for a
+    TP ``tp_prefill`` prefill at ``ADDR``."""
+
+    def __init__(self, slots: int = 8, tp_prefill: int = 2, tp: int = 1, engine_rank: int = 0,
+                 config: Config | None = None) -> None:
+        self.kv = np.zeros((ENTRIES, PAGES * ITEM), dtype=np.uint8)
+        args = decode_args(self.kv, tp, engine_rank)
+        per_slot = ENTRIES * ITEM * max(1, HEADS * tp // tp_prefill) // HEADS
+        self.staging = DecodeStaging(slots * per_slot, args)
+        register = Register(
+            decode_id=ME, prefill_id="", session=0, lease_ms=0, endpoint="tcp://10.0.0.9:5000", engine_rank=engine_rank,
+            tp_size=tp, page_size=PAGE, kv_dtype="bfloat16", mem_kind="DRAM", is_mla=False, gpu_id=0,
+            kv_ptrs=tuple(args.kv_data_ptrs), kv_lens=tuple(args.kv_data_lens), kv_item_lens=tuple(args.kv_item_lens),
+            kv_layer_ids=tuple(range(ENTRIES)), aux_ptrs=(), aux_lens=(), aux_item_lens=(), scratch_ptr=0,
+            scratch_len=0, kv_head_num=HEADS, total_kv_head_num=HEADS * tp, state_type="none", state_ptrs=(),
+            state_lens=(), state_item_lens=(), state_layer_ids=(), state_dims=(), state_outer=(),
+            agent_metadata=stub_agent_metadata(ME))
+        self.config = config or Config()
+        self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, self.config, register, itertools.count(1),
+                               self.staging)
+        self.now = 0.0
+        self.inst = instance(tp_prefill)
+        self.core.topology_fetched(ADDR, self.inst, self.now)
+        self.out: list[act.Action] = []
+        self.sessions: dict[str, int] = {}
+        self.registers: dict[str, Register] = {}
+
+    def agents(self, addr: str = ADDR) -> list[str]:
+        inst = self.core.instances[addr]
+        return [r.agent_id for r in inst.ranks.values()]
+
+    def take(self) -> list[act.Action]:
+        self.out += self.core.actions()
+        got, self.out = self.out, []
+        for a in got:
+            if isinstance(a, act.Send) and isinstance(a.msg, Register):
+                self.sessions[a.msg.prefill_id] = a.msg.session
+                self.registers[a.msg.prefill_id] = a.msg
+        return got
+
+    def room(self, room: int, pages: list[int], addr: str = ADDR) -> Any:
+        r = self.core.open_receiver(addr, room, self.now)
+        self.core.receiver_init(r, pages, -1, None, 0, self.now)
+        return r
+
+    def register_all(self) -> list[act.Action]:
+        out = self.take()
+        for agent, session in list(self.sessions.items()):
+            reg = self.core.registrations.get(agent)
+            if reg is not None and not reg.registered and reg.session == session:
+                self.core.receive(RegisterResult(agent, ME, session, True, ""), self.now)
+        return out + self.take()
+
+    def status(self, r: Any, agent: str, ok: bool = True, reason: str = "") -> None:
+        sender_rank = int(agent.rsplit("-", 1)[1])
+        self.core.receive(Status(r.room, r.epoch, agent, self.sessions[agent], sender_rank, ok, reason), self.now)
+
+    def succeed(self, r: Any, agents: list[str] | None = None) -> list[act.Action]:
+        for agent in agents if agents is not None else [a for a, p in r.ranks.items() if not p.dummy]:
+            self.status(r, agent)
+        return self.take()
+
+    def ping_all(self) -> None:
+        """Every registered prefill rank pings (keeps its liveness and the cached topology fresh)."""
+        for agent, reg in list(self.core.registrations.items()):
+            if reg.registered:
+                self.core.receive(Ping(agent, reg.rank.endpoint, reg.session, 1), self.now)
+
+    def tick(self, to: float) -> list[act.Action]:
+        self.now = to
+        self.core.handle_timer(self.now)
+        return self.take()
+
+
+def infos(actions: list[act.Action]) -> dict[tuple[int, str], TransferInfo]:
+    return {(a.msg.room, a.msg.prefill_id): a.msg for a in actions
+            if isinstance(a, act.Send) and isinstance(a.msg, TransferInfo)}
+
+
+def scatters(actions: list[act.Action]) -> list[act.Scatter]:
+    return [a for a in actions if isinstance(a, act.Scatter)]
+
+
+def assert_nothing_leaks(rig: Rig) -> None:
+    assert rig.staging.free_slots == rig.staging.slots
+    assert not rig.core._slot_waiters
+    counts = rig.core.room_counts()
+    assert counts["fencing_rooms"] == 0 and counts["topology_lookups"] == 0, counts
+
+
+# -- 1. fencing: slots are never handed on while a rank may still write them -----------------------------
+
+
+def test_close_with_rooms_waiting_for_slots_sends_no_new_destination() -> None:
+    """close() fails every room; the head waiter's failure must not hand freed capacity to a later waiter
+    whose destination then goes out to prefill *after* close began (a fresh write into decode memory)."""
+    rig = Rig(slots=8)
+    holder = rig.room(1, [0, 1, 2])  # 6 of 8 slots
+    assert infos(rig.register_all())
+    head = rig.room(2, [3, 4])  # needs 4: waits
+    small = rig.room(3, [5])  # needs 2 (2 are free), but queues behind the head (first come, first served)
+    assert not infos(rig.take()) and head.state is small.state is ReceiverState.RESOLVING
+    rig.core.close(rig.now)
+    out = rig.take()
+    assert not infos(out), f"close() sent destinations: {sorted(infos(out))}"
+    assert small.poll() is KVPoll.Failed
+    for agent in rig.agents():
+        rig.status(holder, agent, ok=False, reason="aborted")
+    assert [a for a in rig.take() if isinstance(a, act.Closed)]
+    assert_nothing_leaks(rig)
+
+
+def test_a_failed_room_keeps_its_slots_until_a_dead_ranks_lease_runs_out() -> None:
+    """A staged rank restarts (topology re-fetched with a new incarnation) while its room holds slots: the
+    slots stay taken until the old incarnation's lease ran out, and only then go to the waiting room."""
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])  # all 4 slots
+    sent_a = infos(rig.register_all())
+    slots_a = {int(s) for agent in rig.agents() for s in sent_a[(1, agent)].dst_pages}
+    restarted = instance(2, prefix="reborn")
+    rig.now = 1.0
+    rig.core.topology_fetched(ADDR, restarted, rig.now)
+    rig.take()
+    assert a.state is ReceiverState.FENCING and rig.staging.free_slots == 0
+    b = rig.room(2, [3, 4])  # new incarnation: registers anew, then waits for slots
+    out = rig.register_all()
+    assert not infos(out) and b.state is ReceiverState.RESOLVING
+    lease_end = rig.core.deadlines.next()
+    assert lease_end is not None and lease_end > rig.now
+    rig.tick(lease_end - 1e-3)
+    assert a.state is ReceiverState.FENCING and rig.staging.free_slots == 0
+    out = rig.tick(lease_end)
+    assert a.poll() is KVPoll.Failed
+    sent_b = infos(out)
+    assert set(sent_b) == {(2, "reborn-0"), (2, "reborn-1")}
+    assert {int(s) for m in sent_b.values() for s in m.dst_pages} == slots_a  # the slots it waited for
+    rig.succeed(b)
+    rig.core.scattered(b, None, rig.now)
+    rig.take()
+    assert b.poll() is KVPoll.Success
+    assert_nothing_leaks(rig)
+
+
+def test_a_cleared_fencing_room_keeps_its_slots_across_room_id_reuse() -> None:
+    rig = Rig(slots=4)
+    old = rig.room(1, [0, 1])
+    rig.register_all()
+    rig.core.clear_receiver(old, rig.now)  # fencing, unseen: its ranks may still write the slots
+    new = rig.room(1, [2, 3])  # same id, new epoch: must wait for slots
+    assert not infos(rig.take()) and new.state is ReceiverState.RESOLVING
+    for agent in rig.agents():  # a status of the *new* epoch from no one yet; the old one's aborts arrive
+        rig.status(old, agent, ok=False, reason="aborted")
+    out = rig.take()
+    assert old.poll() is KVPoll.Failed
+    assert set(infos(out)) == {(1, "prefill-0"), (1, "prefill-1")}
+    assert all(m.epoch == new.epoch for m in infos(out).values())
+    rig.succeed(new)
+    rig.core.scattered(new, None, rig.now)
+    assert new.poll() is KVPoll.Success
+    rig.core.clear_receiver(new, rig.now)
+    assert_nothing_leaks(rig)
+    assert rig.core.room_counts()["receivers"] == 0
+
+
+def test_a_room_failing_with_one_rank_done_keeps_slots_until_the_other_answers() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    rig.status(a, "prefill-0", ok=True)
+    rig.core.abort_receiver(a, InvalidArgument("gone"), rig.now)
+    b = rig.room(2, [2, 3])
+    assert not infos(rig.take())
+    assert a.state is ReceiverState.FENCING and rig.staging.free_slots == 0
+    rig.status(a, "prefill-1", ok=False, reason="aborted")
+    assert set(infos(rig.take())) == {(2, "prefill-0"), (2, "prefill-1")}
+    assert a.poll() is KVPoll.Failed and b.state is ReceiverState.WAITING
+
+
+def test_a_silent_rank_after_abort_holds_slots_through_the_fence_timeout_and_lease() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    rig.core.abort_receiver(a, InvalidArgument("gone"), rig.now)
+    rig.status(a, "prefill-0", ok=False, reason="aborted")  # prefill-1 never answers
+    rig.room(2, [2, 3])
+    rig.take()
+    seen_free_while_fencing = False
+    t = 0.0
+    while a.state is ReceiverState.FENCING and t < 60:
+        t += 0.25
+        rig.now = t
+        rig.ping_all()  # both ranks stay alive; prefill-1 just never answers the abort
+        out = rig.tick(t)
+        if a.state is ReceiverState.FENCING and (infos(out) or rig.staging.free_slots):
+            seen_free_while_fencing = True
+    assert not seen_free_while_fencing
+    assert a.poll() is KVPoll.Failed
+
+
+# -- 2/3. leaks and the waiting queue ---------------------------------------------------------------------
+
+
+def test_declare_dead_of_a_staged_rank_while_rooms_wait_for_slots() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    w1 = rig.room(2, [2, 3])
+    w2 = rig.room(3, [4])
+    rig.take()
+    rig.core.receive(Bye("prefill-1", rig.sessions["prefill-1"], "leaving"), rig.now)
+    rig.take()
+    assert a.poll() is KVPoll.Failed or a.state is ReceiverState.FENCING
+    assert w1.poll() is KVPoll.Failed and w2.poll() is KVPoll.Failed
+    for agent in ("prefill-0",):
+        if a.state is ReceiverState.FENCING:
+            rig.status(a, agent, ok=False, reason="aborted")
+    rig.take()
+    assert a.poll() is KVPoll.Failed
+    for r in (a, w1, w2):
+        rig.core.clear_receiver(r, rig.now)
+    assert_nothing_leaks(rig)
+
+
+def test_declare_dead_of_a_staged_rank_while_scattering_changes_nothing() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    assert scatters(rig.succeed(a))
+    rig.core.receive(Bye("prefill-0", rig.sessions["prefill-0"], "leaving"), rig.now)
+    rig.core.declare_dead("prefill-1", PeerUnreachable("silent"), rig.now)
+    rig.take()
+    assert a.state is ReceiverState.SCATTERING and a.poll() is KVPoll.Transferring
+    rig.core.scattered(a, None, rig.now)
+    assert a.poll() is KVPoll.Success
+    rig.core.clear_receiver(a, rig.now)
+    assert_nothing_leaks(rig)
+
+
+def test_waiting_rooms_that_abort_clear_or_time_out_leave_the_queue_in_order() -> None:
+    rig = Rig(slots=4, config=Config(waiting_timeout_s=10.0))
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    assert scatters(rig.succeed(a))  # its copy is slow: it holds every slot until scattered
+    rig.now = 5.0
+    rig.ping_all()
+    w_first = rig.room(2, [2])  # deadline at 15
+    rig.now = 8.0
+    rig.ping_all()
+    w_abort = rig.room(3, [3])
+    w_clear = rig.room(4, [4])
+    w_last = rig.room(5, [5])  # deadline at 18
+    rig.take()
+    assert list(rig.core._slot_waiters) == [w_first, w_abort, w_clear, w_last]
+    rig.core.abort_receiver(w_abort, InvalidArgument("x"), rig.now)
+    rig.core.clear_receiver(w_clear, rig.now)
+    assert w_abort.poll() is KVPoll.Failed and w_clear.poll() is KVPoll.Failed
+    assert list(rig.core._slot_waiters) == [w_first, w_last]
+    rig.now = 15.0
+    rig.ping_all()
+    rig.tick(15.0)  # the head times out while waiting for slots
+    assert w_first.poll() is KVPoll.Failed and list(rig.core._slot_waiters) == [w_last]
+    rig.now = 16.0
+    rig.ping_all()
+    rig.core.scattered(a, None, rig.now)
+    assert set(infos(rig.take())) == {(5, "prefill-0"), (5, "prefill-1")}
+    rig.succeed(w_last)
+    rig.core.scattered(w_last, None, rig.now)
+    for r in (a, w_first, w_abort, w_clear, w_last):
+        rig.core.clear_receiver(r, rig.now)
+    assert_nothing_leaks(rig)
+    assert rig.core.room_counts()["receivers"] == 0
+
+
+def test_a_room_timing_out_while_waiting_for_slots_leaves_the_queue() -> None:
+    rig = Rig(slots=4, config=Config(waiting_timeout_s=10.0))
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    w = rig.room(2, [2])
+    w2 = rig.room(3, [3])
+    rig.take()
+    rig.tick(10.0)  # every room times out: the holder starts fencing, the waiters fail and leave the queue
+    assert w.poll() is KVPoll.Failed and w2.poll() is KVPoll.Failed and not rig.core._slot_waiters
+    assert a.state is ReceiverState.FENCING and rig.staging.free_slots == 0
+    for agent in rig.agents():
+        rig.status(a, agent, ok=False, reason="timed out")
+    assert a.poll() is KVPoll.Failed
+    assert_nothing_leaks(rig)
+
+
+def test_registration_timeout_of_another_instance_with_rooms_queued_for_slots() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    w = rig.room(2, [2, 3])
+    rig.take()
+    rig.core.topology_fetched(ADDR_B, instance(2, prefix="other", host="10.0.0.2"), rig.now)
+    b = rig.room(3, [4], addr=ADDR_B)  # registers with other-0/1, which never answer
+    rig.take()
+    rig.tick(rig.config.handshake_timeout_s + 0.01)
+    assert b.poll() is KVPoll.Failed
+    assert w.state is ReceiverState.RESOLVING and list(rig.core._slot_waiters) == [w]
+    rig.succeed(a)
+    rig.core.scattered(a, None, rig.now)
+    assert set(infos(rig.take())) == {(2, "prefill-0"), (2, "prefill-1")}
+
+
+def test_two_instances_of_different_tps_the_second_writes_per_token_and_does_not_queue() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    w = rig.room(2, [2, 3])
+    rig.take()
+    rig.core.topology_fetched(ADDR_B, instance(4, prefix="four", host="10.0.0.2"), rig.now)
+    b = rig.room(3, [7, 8], addr=ADDR_B)
+    out = rig.register_all()
+    sent = infos(out)
+    assert set(sent) == {(3, f"four-{t}") for t in range(4)}
+    assert all(m.dst_pages.tolist() == [7, 8] for m in sent.values())  # its real pages: no slots
+    for t in range(4):
+        assert rig.registers[f"four-{t}"].tp_size == 1  # registered as what it is
+    assert scatters(rig.succeed(b)) == [] and b.poll() is KVPoll.Success
+    del a, w
+
+
+def test_a_status_ok_twice_scatters_once() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    rig.status(a, "prefill-0")
+    rig.status(a, "prefill-0")
+    assert a.state is ReceiverState.WAITING
+    out = rig.succeed(a, ["prefill-1", "prefill-1"])
+    assert len(scatters(out)) == 1
+    rig.status(a, "prefill-0")
+    assert not scatters(rig.take())
+
+
+def test_a_status_after_clear_of_a_scattering_room_is_harmless() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    rig.succeed(a)
+    rig.core.clear_receiver(a, rig.now)
+    rig.status(a, "prefill-0", ok=False, reason="late")
+    rig.status(a, "prefill-1", ok=True)
+    assert a.state is ReceiverState.SCATTERING
+    rig.core.scattered(a, None, rig.now)
+    assert a.poll() is KVPoll.Success
+    assert_nothing_leaks(rig)
+
+
+def test_scattered_on_a_room_still_waiting_or_resolving_raises() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    w = rig.room(2, [2])
+    with pytest.raises(ValueError):
+        rig.core.scattered(a, None, rig.now)
+    rig.register_all()
+    with pytest.raises(ValueError):
+        rig.core.scattered(a, None, rig.now)
+    with pytest.raises(ValueError):
+        rig.core.scattered(w, None, rig.now)
+
+
+# -- 5. the copy ---------------------------------------------------------------------------------------
+
+
+def fill_slots(rig: Rig, sent: dict[tuple[int, str], TransferInfo], room: int, fills: dict[str, int],
+               entries: range | None = None) -> None:
+    stage = rig.staging.buffer
+    for agent, fill in fills.items():
+        for e in entries if entries is not None else range(ENTRIES):
+            base, item = int(rig.staging._bases[e]), int(rig.staging.slot_items[e])
+            for pos, k in enumerate(sent[(room, agent)].dst_pages.tolist()):
+                stage[base + k * item:base + (k + 1) * item] = (fill + e + pos) % 256
+
+
+@pytest.mark.parametrize("tp_prefill", [2, 4, 8, 16])
+def test_the_copy_lands_each_ranks_heads_in_its_slice_for_every_prefill_tp(tp_prefill: int) -> None:
+    rig = Rig(slots=64, tp_prefill=tp_prefill)
+    pages = [30, 3, 4, 5, 17]
+    r = rig.room(1, pages)
+    sent = infos(rig.register_all())
+    real = [a for a, p in r.ranks.items() if not p.dummy]
+    fills = {agent: 16 * (i + 1) for i, agent in enumerate(real)}
+    fill_slots(rig, sent, 1, fills)
+    [sc] = scatters(rig.succeed(r))
+    rig.kv[:] = 0xEE
+    rig.staging.scatter(r.pages, sc.slices)
+    rig.core.scattered(r, None, rig.now)
+    rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
+    per_rank = max(1, HEADS // tp_prefill)
+    for agent in real:
+        t = int(agent.rsplit("-", 1)[1])
+        head = t * HEADS // tp_prefill
+        lo = head * HEAD_BYTES
+        for e in range(ENTRIES):
+            for pos, p in enumerate(pages):
+                assert np.all(rows[e, p, :, lo:lo + per_rank * HEAD_BYTES] == (fills[agent] + e + pos) % 256), \
+                    (agent, e, pos)
+    others = [p for p in range(PAGES) if p not in pages]
+    assert np.all(rows[:, others] == 0xEE)
+    assert_nothing_leaks(rig)
+
+
+def test_the_copy_with_fragmented_slots_and_scrambled_pages() -> None:
+    rig = Rig(slots=12)
+    rooms = [rig.room(i, [i]) for i in range(1, 6)]  # 10 slots: 0..9
+    rig.register_all()
+    for r in rooms[::2]:  # free slots of rooms 1, 3, 5: holes
+        rig.core.abort_receiver(r, InvalidArgument("x"), rig.now)
+        for agent in rig.agents():
+            rig.status(r, agent, ok=False, reason="aborted")
+    rig.take()
+    free = rig.staging.free_slots
+    assert free == 8
+    pages = [20, 2, 11, 9]  # 4 pages x 2 ranks = 8 slots over three holes
+    big = rig.room(9, pages)
+    sent = infos(rig.take())
+    assert set(sent) == {(9, "prefill-0"), (9, "prefill-1")}
+    fill_slots(rig, sent, 9, {"prefill-0": 0x10, "prefill-1": 0x80})
+    [sc] = scatters(rig.succeed(big))
+    rig.kv[:] = 0xEE
+    rig.staging.scatter(big.pages, sc.slices)
+    rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
+    half = HEADS * HEAD_BYTES // 2
+    for e in range(ENTRIES):
+        for pos, p in enumerate(pages):
+            assert np.all(rows[e, p, :, :half] == (0x10 + e + pos) % 256)
+            assert np.all(rows[e, p, :, half:] == (0x80 + e + pos) % 256)
+    assert np.all(rows[:, [q for q in range(PAGES) if q not in pages]] == 0xEE)
+
+
+def test_an_entry_left_unwritten_by_this_room_is_not_copied_even_if_the_slots_held_an_earlier_rooms_rows() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    sent = infos(rig.register_all())
+    fill_slots(rig, sent, 1, {"prefill-0": 0x10, "prefill-1": 0x80})
+    [sc] = scatters(rig.succeed(a))
+    rig.staging.scatter(a.pages, sc.slices)
+    rig.core.scattered(a, None, rig.now)
+    b = rig.room(2, [5, 6])  # reuses the same slots; prefill-0 writes only entry 0, prefill-1 nothing
+    sent = infos(rig.take())
+    fill_slots(rig, sent, 2, {"prefill-0": 0x40}, entries=range(1))
+    [sc] = scatters(rig.succeed(b))
+    rig.kv[:] = 0xEE
+    assert rig.staging.scatter(b.pages, sc.slices) == 1
+    rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
+    half = HEADS * HEAD_BYTES // 2
+    assert np.all(rows[0, 5, :, :half] == 0x40) and np.all(rows[0, 6, :, :half] == 0x41)
+    assert np.all(rows[0, [5, 6], :, half:] == 0xEE) and np.all(rows[1:] == 0xEE)
+
+
+# -- 6. every real rank counts --------------------------------------------------------------------------------
+
+
+def test_success_needs_every_real_rank_of_a_replicated_tp16_prefill() -> None:
+    rig = Rig(slots=32, tp_prefill=16)
+    r = rig.room(1, [0, 1])
+    sent = infos(rig.register_all())
+    real = [a for a, p in r.ranks.items() if not p.dummy]
+    dummies = [a for a, p in r.ranks.items() if p.dummy]
+    assert len(real) == 8 and len(dummies) == 8
+    assert all(len(sent[(1, d)].dst_pages) == 0 for d in dummies)
+    assert rig.staging.free_slots == rig.staging.slots - 16
+    for d in dummies:
+        rig.status(r, d)
+    rig.succeed(r, real[:-1])
+    assert r.state is ReceiverState.WAITING
+    assert scatters(rig.succeed(r, real[-1:]))
+
+
+def test_decode_tp2_rank1_with_prefill_tp4_registers_as_engine_ranks_2_and_3() -> None:
+    rig = Rig(slots=8, tp_prefill=4, tp=2, engine_rank=1)
+    r = rig.room(1, [0, 1])
+    sent = infos(rig.register_all())
+    assert {agent for (_, agent) in sent} == {"prefill-2", "prefill-3"}
+    assert {rig.registers[a].engine_rank for a in ("prefill-2", "prefill-3")} == {2, 3}
+    fill_slots(rig, sent, 1, {"prefill-2": 0x10, "prefill-3": 0x80})
+    [sc] = scatters(rig.succeed(r))
+    rig.staging.scatter(r.pages, sc.slices)
+    rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
+    half = HEADS * HEAD_BYTES // 2
+    assert np.all(rows[0, 0, :, :half] == 0x10) and np.all(rows[0, 0, :, half:] == 0x80)
+
+
+def test_close_is_not_held_up_by_a_destination_close_itself_sent() -> None:
+    """The consequence of the above: once the only room that was in flight before close() is fenced,
+    close should be done; it instead waits for the prefill to answer the abort of a room whose
+    destination went out during close()."""
+    rig = Rig(slots=8)
+    holder = rig.room(1, [0, 1, 2])
+    rig.register_all()
+    rig.room(2, [3, 4])
+    small = rig.room(3, [5])
+    rig.take()
+    rig.core.close(rig.now)
+    rig.take()
+    for agent in rig.agents():
+        rig.status(holder, agent, ok=False, reason="aborted")
+    out = rig.take()
+    assert [a for a in out if isinstance(a, act.Closed)], f"close still waits on room 3 ({small.state.name})"
+
+
+def test_a_restart_fails_rooms_queued_for_slots_and_holders_keep_slots_until_the_lease() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    w = rig.room(2, [2, 3])
+    rig.take()
+    rig.now = 0.5
+    rig.core.topology_fetched(ADDR, instance(2, prefix="reborn"), rig.now)
+    rig.take()
+    assert w.poll() is KVPoll.Failed and not rig.core._slot_waiters
+    assert a.state is ReceiverState.FENCING and rig.staging.free_slots == 0
+    rig.tick(rig.core.deadlines.next() or 0.0)
+    assert a.poll() is KVPoll.Failed
+    for r in (a, w):
+        rig.core.clear_receiver(r, rig.now)
+    assert_nothing_leaks(rig)
+    assert rig.core.room_counts()["receivers"] == 0
+
+
+def test_aborting_the_head_waiter_lets_the_next_one_go_on() -> None:
+    rig = Rig(slots=8)
+    rig.room(1, [0, 1, 2])  # 6 of 8
+    rig.register_all()
+    head = rig.room(2, [3, 4])
+    nxt = rig.room(3, [5])
+    rig.take()
+    rig.core.abort_receiver(head, InvalidArgument("x"), rig.now)
+    assert head.poll() is KVPoll.Failed
+    assert set(infos(rig.take())) == {(3, "prefill-0"), (3, "prefill-1")} and nxt.state is ReceiverState.WAITING
+
+
+def test_close_during_a_failing_copy() -> None:
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    rig.succeed(a)
+    rig.core.close(rig.now)
+    assert not [x for x in rig.take() if isinstance(x, act.Closed)]
+    rig.core.scattered(a, RuntimeError("copy raised"), rig.now)
+    assert a.poll() is KVPoll.Failed and [x for x in rig.take() if isinstance(x, act.Closed)]
+    assert_nothing_leaks(rig)
+
+
+def test_a_room_with_one_staged_and_one_per_token_rank_needs_both_and_copies_only_the_staged_one() -> None:
+    """White-box set-up (the service never mixes them within one instance): prefill-1's registration is
+    per token, prefill-0's staged."""
+    rig = Rig(slots=4)
+    r = rig.room(1, [6, 7])
+    rig.take()
+    rig.core.registrations["prefill-1"].staged = False
+    sent = infos(rig.register_all())
+    assert sent[(1, "prefill-1")].dst_pages.tolist() == [6, 7]
+    assert len(sent[(1, "prefill-0")].dst_pages) == 2 and rig.staging.free_slots == 2
+    fill_slots(rig, sent, 1, {"prefill-0": 0x10})
+    rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
+    half = HEADS * HEAD_BYTES // 2
+    rows[:, [6, 7], :, half:] = 0x99  # what prefill-1 wrote in place
+    assert not scatters(rig.succeed(r, ["prefill-0"])) and r.state is ReceiverState.WAITING
+    [sc] = scatters(rig.succeed(r, ["prefill-1"]))
+    assert [s.agent_id for s in sc.slices] == ["prefill-0"]
+    rig.staging.scatter(r.pages, sc.slices)
+    rig.core.scattered(r, None, rig.now)
+    assert np.all(rows[:, [6, 7], :, half:] == 0x99) and np.all(rows[0, 6, :, :half] == 0x10)
+    assert r.poll() is KVPoll.Success
+    assert_nothing_leaks(rig)
+
+
+def test_rooms_timing_out_together_while_waiting_for_slots_send_no_destination() -> None:
+    """The same cascade on a timer: two waiters time out at one tick; the head's failure hands the free
+    slots to the second one, whose destination goes out, and it is then failed by the same tick (its
+    timeout was already due): a transfer started for a room already timed out."""
+    rig = Rig(slots=8, config=Config(waiting_timeout_s=10.0))
+    holder = rig.room(1, [0, 1, 2])  # 6 of 8 slots; its copy is slow (SCATTERING has no deadline)
+    rig.register_all()
+    assert scatters(rig.succeed(holder))
+    head = rig.room(2, [3, 4])  # needs 4: waits
+    small = rig.room(3, [5])  # needs 2: waits behind it
+    assert not infos(rig.take()) and list(rig.core._slot_waiters) == [head, small]
+    out = rig.tick(10.0)
+    assert head.poll() is KVPoll.Failed
+    assert not infos(out), f"destinations sent at the tick that timed the rooms out: {sorted(infos(out))}"
+    assert small.poll() is KVPoll.Failed, small.state.name
+
+
+def test_peers_declared_dead_together_hand_no_slots_to_a_room_of_the_next_dead_peer() -> None:
+    """One heartbeat tick finds two instances silent: the first one's room fails and frees its slots (its
+    leases ran out long ago); a room of the second, queued for slots, must not get its destination sent to
+    a peer the same tick declares dead next."""
+    rig = Rig(slots=4)
+    holder = rig.room(1, [0, 1])  # all 4 slots
+    rig.register_all()
+    rig.core.topology_fetched(ADDR_B, instance(2, prefix="other", host="10.0.0.2"), rig.now)
+    queued = rig.room(2, [2, 3], addr=ADDR_B)
+    rig.register_all()
+    assert list(rig.core._slot_waiters) == [queued] and holder.state is ReceiverState.WAITING
+    out: list[act.Action] = []
+    for step in range(1, 40):  # nobody answers: every prefill rank goes silent past the heartbeat bound
+        out += rig.tick(step * 0.25)
+    assert holder.poll() is KVPoll.Failed and queued.poll() is KVPoll.Failed
+    assert not infos(out), f"destinations sent to peers declared dead in the same tick: {sorted(infos(out))}"
+    assert_nothing_leaks(rig)
