@@ -144,3 +144,36 @@ async def test_rooms_queue_for_a_small_area_and_one_larger_than_it_fails_naming_
         big = decode.receiver(addr, 9)
         assert await big.init([0, 1, 2]) == KVPoll.Failed and "decode_staging_bytes" in (big.failure_reason or "")
         assert staging.free_slots == staging.slots
+
+
+async def test_a_failing_copy_fails_the_room_only_once_every_copy_of_it_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's slice is copied on its own worker thread: one raising fails the room, with its reason,
+    but only once the other copy, still writing the room's pages, has ended."""
+    import threading
+    import time
+
+    from asynckv.service import decode as decode_service
+    monkeypatch.setattr(decode_service, "SCATTER_INLINE_BYTES", 0)  # every copy on the worker threads
+    calls, ended, lock = [], [], threading.Lock()
+    real = DecodeStaging.scatter
+
+    def scatter(self: DecodeStaging, pages: np.ndarray, slices: tuple[object, ...]) -> int:
+        with lock:
+            calls.append(len(slices))
+            first = len(calls) == 1
+        if first:
+            raise RuntimeError("copy boom")
+        time.sleep(0.2)
+        n = real(self, pages, slices)  # type: ignore[arg-type]
+        ended.append(time.monotonic())
+        return n
+    monkeypatch.setattr(DecodeStaging, "scatter", scatter)
+    async with tp2_to_tp1(2 * 2**20) as (prefill, decode, _, _, addr):
+        receiver, senders = await start_room(prefill, decode, addr, 1, [0, 1], [2, 3])
+        assert await receiver.wait(10) == KVPoll.Failed  # type: ignore[attr-defined]
+        assert ended and calls == [1, 1]  # one slice per copy, and the slow one had ended
+        assert "copy boom" in (receiver.failure_reason or "")  # type: ignore[attr-defined]
+        assert [await s.wait(5) for s in senders] == [KVPoll.Success] * 2  # type: ignore[attr-defined]
+        receiver.clear()  # type: ignore[attr-defined]
+        staging = staging_of(decode)
+        assert staging.free_slots == staging.slots
