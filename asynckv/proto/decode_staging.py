@@ -106,9 +106,10 @@ class StagingRules(Core):
 
     @contextlib.contextmanager
     def _failing_several(self, now: float) -> Iterator[None]:
-        """While a loop fails several rooms (close, a timer tick), slots they free go to waiting rooms
-        only after it: a waiting room handed slots midway could be the next one the loop fails, its
-        destination just sent (it would then fence on a transfer started by its own failure)."""
+        """While a loop fails several rooms (close, a timer tick or heartbeat, a replaced instance), the
+        slots they free go to waiting rooms only after it: a waiting room handed slots midway could be
+        the next one the loop fails, its destination just sent (it would then fence on a transfer
+        started by its own failure)."""
         self._batching += 1
         try:
             yield

@@ -89,8 +89,8 @@ class DecodeService(ReceiverPump):
         return instance
 
     def _on_scatter(self, a: act.Scatter) -> None:
-        """Copy a room's staged slices into its pages: on the loop when small, else on one of the rank's
-        ``build_threads`` worker threads; ``scattered`` either way."""
+        """Copy a room's staged slices into its pages: on the loop when small, else each prefill rank's
+        slice on a worker thread (``build_threads`` of them); ``scattered`` either way."""
         staging = self.staging
         if staging is None or staging.nbytes(a.slices) <= SCATTER_INLINE_BYTES:
             error: BaseException | None = None

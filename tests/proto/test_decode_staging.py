@@ -1,98 +1,18 @@
-"""Decode staging rules, driven directly on a ``DecodeCore`` (TP2 prefill -> TP1 decode, 8 heads):
-what each prefill rank is told, when slots are taken and given back, the order of waiting rooms, and
-what the copy leaves alone. The area is real memory (``DecodeStaging``); nothing crosses a network."""
+"""Decode staging rules, driven directly on a ``DecodeCore`` (TP2 prefill -> TP1 decode, 8 heads,
+``staging_rig``): what each prefill rank is told, when slots are taken and given back, the order of
+waiting rooms, and what the copy leaves alone. The area is real memory (``DecodeStaging``)."""
 
 from __future__ import annotations
-
-import itertools
-from typing import Any
 
 import numpy as np
 import pytest
 
-from asynckv.config import Config
 from asynckv.errors import InvalidArgument
-from asynckv.layout import KVArgs
 from asynckv.proto import actions as act
-from asynckv.proto.bootstrap import PrefillRank
-from asynckv.proto.decode import DecodeCore
-from asynckv.proto.messages import Register, RegisterResult, Status, TransferInfo
+from asynckv.proto.messages import Register, RegisterResult, Status
 from asynckv.proto.states import KVPoll, ReceiverState
-from asynckv.proto.topology import PrefillInstance, stub_agent_metadata
-from asynckv.service.decode_staging import DecodeStaging
 
-ADDR = "10.0.0.1:8998"
-ME = "decode-agent-0001"
-PAGE, HEADS, HEAD_BYTES, PAGES, LAYERS = 4, 8, 8, 32, 2
-ITEM = PAGE * HEADS * HEAD_BYTES
-"""A decode page of one entry: 4 tokens x 8 heads x 8 bytes; a TP2 prefill rank's is half of it."""
-
-
-def decode_args(kv: np.ndarray) -> KVArgs:
-    return KVArgs(kv_data_ptrs=[int(kv[e].ctypes.data) for e in range(len(kv))], kv_data_lens=[kv[0].nbytes] * len(kv),
-                  kv_item_lens=[ITEM] * len(kv), aux_data_ptrs=[], aux_data_lens=[], aux_item_lens=[],
-                  page_size=PAGE, tp_size=1, engine_rank=0, kv_head_num=HEADS, total_kv_head_num=HEADS)
-
-
-def rank(tp: int) -> PrefillRank:
-    return PrefillRank(tp_size=2, tp_rank=tp, pp_size=1, pp_rank=0, dp_size=1, dp_rank=0,
-                       endpoint=f"tcp://10.0.0.1:{17000 + tp}", agent_id=f"prefill-{tp}", page_size=PAGE,
-                       kv_dtype="bfloat16", is_mla=False)
-
-
-INSTANCE = PrefillInstance(tp_size=2, pp_size=1, dp_size=1, page_size=PAGE, kv_dtype="bfloat16", is_mla=False,
-                           protocol_version=rank(0).protocol_version, ranks={(0, t, 0): rank(t) for t in (0, 1)})
-
-
-class Rig:
-    """A decode core with a staging area of ``slots`` slots, its KV in ``self.kv``."""
-
-    def __init__(self, slots: int = 8) -> None:
-        self.kv = np.zeros((2 * LAYERS, PAGES * ITEM), dtype=np.uint8)
-        args = decode_args(self.kv)
-        self.staging = DecodeStaging(slots * 2 * LAYERS * ITEM // 2, args)
-        register = Register(
-            decode_id=ME, prefill_id="", session=0, lease_ms=0, endpoint="tcp://10.0.0.9:5000", engine_rank=0,
-            tp_size=1, page_size=PAGE, kv_dtype="bfloat16", mem_kind="DRAM", is_mla=False, gpu_id=0,
-            kv_ptrs=tuple(args.kv_data_ptrs), kv_lens=tuple(args.kv_data_lens), kv_item_lens=tuple(args.kv_item_lens),
-            kv_layer_ids=tuple(range(2 * LAYERS)), aux_ptrs=(), aux_lens=(), aux_item_lens=(), scratch_ptr=0,
-            scratch_len=0, kv_head_num=HEADS, total_kv_head_num=HEADS, state_type="none", state_ptrs=(),
-            state_lens=(), state_item_lens=(), state_layer_ids=(), state_dims=(), state_outer=(),
-            agent_metadata=stub_agent_metadata(ME))
-        self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, Config(), register, itertools.count(1), self.staging)
-        self.now = 0.0
-        self.core.topology_fetched(ADDR, INSTANCE, self.now)
-        self.out: list[act.Action] = []
-        self.sessions: dict[str, int] = {}
-
-    def take(self) -> list[act.Action]:
-        self.out += self.core.actions()
-        got, self.out = self.out, []
-        for a in got:
-            if isinstance(a, act.Send) and isinstance(a.msg, Register):
-                self.sessions[a.msg.prefill_id] = a.msg.session
-        return got
-
-    def room(self, room: int, pages: list[int]) -> Any:
-        r = self.core.open_receiver(ADDR, room, self.now)
-        self.core.receiver_init(r, pages, -1, None, 0, self.now)
-        return r
-
-    def registered(self) -> list[act.Action]:
-        out = self.take()
-        for agent in ("prefill-0", "prefill-1"):
-            self.core.receive(RegisterResult(agent, ME, self.sessions[agent], True, ""), self.now)
-        return out + self.take()
-
-    def succeed(self, r: Any, agents: tuple[str, ...] = ("prefill-0", "prefill-1")) -> list[act.Action]:
-        for agent in agents:
-            self.core.receive(Status(r.room, r.epoch, agent, self.sessions[agent], int(agent[-1]), True, ""), self.now)
-        return self.take()
-
-
-def infos(actions: list[act.Action]) -> dict[tuple[int, str], TransferInfo]:
-    return {(a.msg.room, a.msg.prefill_id): a.msg for a in actions
-            if isinstance(a, act.Send) and isinstance(a.msg, TransferInfo)}
+from .staging_rig import HEAD_BYTES, HEADS, ITEM, LAYERS, ME, PAGE, PAGES, Rig, infos
 
 
 def test_each_prefill_rank_sees_a_decode_of_its_own_tp_whose_pages_are_staging_slots() -> None:
@@ -116,7 +36,7 @@ def test_each_prefill_rank_sees_a_decode_of_its_own_tp_whose_pages_are_staging_s
 def test_success_waits_for_the_copy_and_the_copy_lands_each_ranks_heads_in_its_slice() -> None:
     rig = Rig()
     r = rig.room(1, [5, 9, 2])
-    sent = infos(rig.registered())
+    sent = infos(rig.register_all())
     stage = rig.staging.buffer
     half = ITEM // 2
     for agent, fill in (("prefill-0", 0x11), ("prefill-1", 0x22)):  # what each rank's write would leave
@@ -143,7 +63,7 @@ def test_success_waits_for_the_copy_and_the_copy_lands_each_ranks_heads_in_its_s
 def test_an_entry_a_rank_did_not_write_is_not_copied() -> None:
     rig = Rig()
     r = rig.room(1, [3])
-    sent = infos(rig.registered())
+    sent = infos(rig.register_all())
     k = int(sent[(1, "prefill-0")].dst_pages[0])
     base = int(rig.staging._bases[0])
     rig.staging.buffer[base + k * ITEM // 2:base + (k + 1) * ITEM // 2] = 7  # rank 0 wrote entry 0 only
@@ -158,7 +78,7 @@ def test_an_entry_a_rank_did_not_write_is_not_copied() -> None:
 def test_rooms_wait_for_slots_in_arrival_order_and_go_on_as_rooms_finish() -> None:
     rig = Rig(slots=8)  # 4 pages a room take 8 slots: one room at a time
     first = rig.room(1, [0, 1, 2, 3])
-    assert infos(rig.registered())
+    assert infos(rig.register_all())
     second = rig.room(2, [4, 5, 6, 7])
     third = rig.room(3, [8])
     assert not infos(rig.take()) and second.state is third.state is ReceiverState.RESOLVING
@@ -186,7 +106,7 @@ def test_a_room_larger_than_the_area_fails_at_once_naming_the_setting() -> None:
     rig = Rig(slots=4)
     rig.take()
     r = rig.room(1, [0, 1, 2])  # 2 ranks x 3 pages
-    rig.registered()
+    rig.register_all()
     assert r.poll() is KVPoll.Failed and "decode_staging_bytes" in (r.reason or "")
     assert rig.staging.free_slots == rig.staging.slots
 
@@ -194,7 +114,7 @@ def test_a_room_larger_than_the_area_fails_at_once_naming_the_setting() -> None:
 def test_a_room_cleared_while_copying_finishes_unseen_and_close_waits_for_it() -> None:
     rig = Rig()
     r = rig.room(1, [0, 1])
-    rig.registered()
+    rig.register_all()
     rig.succeed(r)
     rig.core.clear_receiver(r, rig.now)
     rig.core.close(rig.now)
@@ -208,7 +128,7 @@ def test_a_room_cleared_while_copying_finishes_unseen_and_close_waits_for_it() -
 def test_abort_of_a_room_being_copied_changes_nothing() -> None:
     rig = Rig()
     r = rig.room(1, [0])
-    rig.registered()
+    rig.register_all()
     rig.succeed(r)
     rig.core.abort_receiver(r, InvalidArgument("late"), rig.now)
     assert r.state is ReceiverState.SCATTERING and not [a for a in rig.take() if isinstance(a, act.Send)]

@@ -6,140 +6,29 @@ together (close, one timer tick, peers declared dead in one heartbeat) failed on
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
 import numpy as np
 import pytest
 
 from asynckv.config import Config
 from asynckv.errors import InvalidArgument, PeerUnreachable
-from asynckv.layout import KVArgs
 from asynckv.proto import actions as act
-from asynckv.proto.bootstrap import PrefillRank
-from asynckv.proto.decode import DecodeCore
-from asynckv.proto.messages import Bye, Ping, Register, RegisterResult, Status, TransferInfo
+from asynckv.proto.messages import Bye, TransferInfo
 from asynckv.proto.states import KVPoll, ReceiverState
-from asynckv.proto.topology import PrefillInstance, stub_agent_metadata
-from asynckv.service.decode_staging import DecodeStaging
 
-ADDR = "10.0.0.1:8998"
-ADDR_B = "10.0.0.2:8998"
-ME = "decode-agent-0001"
-PAGE, HEADS, HEAD_BYTES, PAGES, LAYERS = 4, 8, 8, 32, 2
-ITEM = PAGE * HEADS * HEAD_BYTES
-ENTRIES = 2 * LAYERS
-
-
-def decode_args(kv: np.ndarray, tp: int = 1, engine_rank: int = 0) -> KVArgs:
-    return KVArgs(kv_data_ptrs=[int(kv[e].ctypes.data) for e in range(len(kv))], kv_data_lens=[kv[0].nbytes] * len(kv),
-                  kv_item_lens=[ITEM] * len(kv), aux_data_ptrs=[], aux_data_lens=[], aux_item_lens=[],
-                  page_size=PAGE, tp_size=tp, engine_rank=engine_rank, kv_head_num=HEADS,
-                  total_kv_head_num=HEADS * tp)
-
-
-def prank(tp_size: int, tp: int, prefix: str = "prefill", host: str = "10.0.0.1") -> PrefillRank:
-    return PrefillRank(tp_size=tp_size, tp_rank=tp, pp_size=1, pp_rank=0, dp_size=1, dp_rank=0,
-                       endpoint=f"tcp://{host}:{17000 + tp}", agent_id=f"{prefix}-{tp}", page_size=PAGE,
-                       kv_dtype="bfloat16", is_mla=False)
-
-
-def instance(tp_size: int, prefix: str = "prefill", host: str = "10.0.0.1") -> PrefillInstance:
-    return PrefillInstance(tp_size=tp_size, pp_size=1, dp_size=1, page_size=PAGE, kv_dtype="bfloat16", is_mla=False,
-                           protocol_version=prank(tp_size, 0).protocol_version,
-                           ranks={(0, t, 0): prank(tp_size, t, prefix, host) for t in range(tp_size)})
-
-
-class Rig:
-    """A decode core (TP ``tp``, this rank ``engine_rank``) with a staging area of ``slots`` slots for a
-    TP ``tp_prefill`` prefill at ``ADDR``."""
-
-    def __init__(self, slots: int = 8, tp_prefill: int = 2, tp: int = 1, engine_rank: int = 0,
-                 config: Config | None = None) -> None:
-        self.kv = np.zeros((ENTRIES, PAGES * ITEM), dtype=np.uint8)
-        args = decode_args(self.kv, tp, engine_rank)
-        per_slot = ENTRIES * ITEM * max(1, HEADS * tp // tp_prefill) // HEADS
-        self.staging = DecodeStaging(slots * per_slot, args)
-        register = Register(
-            decode_id=ME, prefill_id="", session=0, lease_ms=0, endpoint="tcp://10.0.0.9:5000", engine_rank=engine_rank,
-            tp_size=tp, page_size=PAGE, kv_dtype="bfloat16", mem_kind="DRAM", is_mla=False, gpu_id=0,
-            kv_ptrs=tuple(args.kv_data_ptrs), kv_lens=tuple(args.kv_data_lens), kv_item_lens=tuple(args.kv_item_lens),
-            kv_layer_ids=tuple(range(ENTRIES)), aux_ptrs=(), aux_lens=(), aux_item_lens=(), scratch_ptr=0,
-            scratch_len=0, kv_head_num=HEADS, total_kv_head_num=HEADS * tp, state_type="none", state_ptrs=(),
-            state_lens=(), state_item_lens=(), state_layer_ids=(), state_dims=(), state_outer=(),
-            agent_metadata=stub_agent_metadata(ME))
-        self.config = config or Config()
-        self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, self.config, register, itertools.count(1),
-                               self.staging)
-        self.now = 0.0
-        self.inst = instance(tp_prefill)
-        self.core.topology_fetched(ADDR, self.inst, self.now)
-        self.out: list[act.Action] = []
-        self.sessions: dict[str, int] = {}
-        self.registers: dict[str, Register] = {}
-
-    def agents(self, addr: str = ADDR) -> list[str]:
-        inst = self.core.instances[addr]
-        return [r.agent_id for r in inst.ranks.values()]
-
-    def take(self) -> list[act.Action]:
-        self.out += self.core.actions()
-        got, self.out = self.out, []
-        for a in got:
-            if isinstance(a, act.Send) and isinstance(a.msg, Register):
-                self.sessions[a.msg.prefill_id] = a.msg.session
-                self.registers[a.msg.prefill_id] = a.msg
-        return got
-
-    def room(self, room: int, pages: list[int], addr: str = ADDR) -> Any:
-        r = self.core.open_receiver(addr, room, self.now)
-        self.core.receiver_init(r, pages, -1, None, 0, self.now)
-        return r
-
-    def register_all(self) -> list[act.Action]:
-        out = self.take()
-        for agent, session in list(self.sessions.items()):
-            reg = self.core.registrations.get(agent)
-            if reg is not None and not reg.registered and reg.session == session:
-                self.core.receive(RegisterResult(agent, ME, session, True, ""), self.now)
-        return out + self.take()
-
-    def status(self, r: Any, agent: str, ok: bool = True, reason: str = "") -> None:
-        sender_rank = int(agent.rsplit("-", 1)[1])
-        self.core.receive(Status(r.room, r.epoch, agent, self.sessions[agent], sender_rank, ok, reason), self.now)
-
-    def succeed(self, r: Any, agents: list[str] | None = None) -> list[act.Action]:
-        for agent in agents if agents is not None else [a for a, p in r.ranks.items() if not p.dummy]:
-            self.status(r, agent)
-        return self.take()
-
-    def ping_all(self) -> None:
-        """Every registered prefill rank pings (keeps its liveness and the cached topology fresh)."""
-        for agent, reg in list(self.core.registrations.items()):
-            if reg.registered:
-                self.core.receive(Ping(agent, reg.rank.endpoint, reg.session, 1), self.now)
-
-    def tick(self, to: float) -> list[act.Action]:
-        self.now = to
-        self.core.handle_timer(self.now)
-        return self.take()
-
-
-def infos(actions: list[act.Action]) -> dict[tuple[int, str], TransferInfo]:
-    return {(a.msg.room, a.msg.prefill_id): a.msg for a in actions
-            if isinstance(a, act.Send) and isinstance(a.msg, TransferInfo)}
-
-
-def scatters(actions: list[act.Action]) -> list[act.Scatter]:
-    return [a for a in actions if isinstance(a, act.Scatter)]
-
-
-def assert_nothing_leaks(rig: Rig) -> None:
-    assert rig.staging.free_slots == rig.staging.slots
-    assert not rig.core._slot_waiters
-    counts = rig.core.room_counts()
-    assert counts["fencing_rooms"] == 0 and counts["topology_lookups"] == 0, counts
-
+from .staging_rig import (
+    ADDR,
+    ADDR_B,
+    ENTRIES,
+    HEAD_BYTES,
+    HEADS,
+    PAGE,
+    PAGES,
+    Rig,
+    assert_nothing_leaks,
+    infos,
+    instance,
+    scatters,
+)
 
 # -- 1. fencing: slots are never handed on while a rank may still write them -----------------------------
 
