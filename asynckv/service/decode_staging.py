@@ -10,9 +10,9 @@ at another TP larger than ours are written per token, as without staging.)
 Which entries a rank writes is the prefill's business (pairing by layer id): before a room's
 destination goes out, the first 16 bytes of its first slot in every entry get a marker drawn at
 random per area, and an entry whose marker is still there once every sender succeeded was not
-written: it is not copied (a real token row equals the marker with probability 2^-128). Copies
-run on a worker thread above ``SCATTER_INLINE_BYTES``; slots are taken and given back on the
-loop only.
+written: it is not copied (a real token row equals the marker with probability 2^-128). Above
+``SCATTER_INLINE_BYTES`` each rank's slice is copied on a worker thread of its own (the slices are
+other bytes of the same pages); slots are taken and given back on the loop only.
 """
 
 from __future__ import annotations
