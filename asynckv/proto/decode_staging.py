@@ -130,15 +130,14 @@ class StagingRules(Core):
     def _take_slots(self, room: ReceiverRoom, staged: list[PrefillRank], now: float) -> bool:
         """Slots for each of ``staged`` (the room's real ranks that write into staging): True when
         taken (or none needed); False when the room waits for slots or failed for want of them."""
-        n = len(room.pages)
-        if not staged or n == 0 or room.staged:
+        n, staging = len(room.pages), self.staging
+        if not staged or n == 0 or room.staged or staging is None:  # (ranks are staged only with an area)
             return True
-        assert self.staging is not None
         need = n * len(staged)
-        if need > self.staging.slots:
+        if need > staging.slots:
             self.fail(room, InvalidArgument(
                 f"room {room.room} needs {need} staging slots ({n} pages from each of {len(staged)} prefill ranks "
-                f"holding fewer heads), the decode staging area holds {self.staging.slots}: raise "
+                f"holding fewer heads), the decode staging area holds {staging.slots}: raise "
                 f"decode_staging_bytes"), now)
             return False
         if self._slot_waiters and self._slot_waiters[0] is not room:
@@ -147,10 +146,10 @@ class StagingRules(Core):
             return False  # first come, first served
         taken: list[tuple[PrefillRank, I32]] = []
         for rank in staged:
-            slots = self.staging.take(n)
+            slots = staging.take(n)
             if slots is None:
                 for _, got in taken:
-                    self.staging.give(got)  # (never written: the destination has not gone out)
+                    staging.give(got)  # (never written: the destination has not gone out)
                 if room not in self._slot_waiters:
                     self._slot_waiters.append(room)
                 return False
@@ -158,7 +157,7 @@ class StagingRules(Core):
         if self._slot_waiters and self._slot_waiters[0] is room:
             self._slot_waiters.popleft()
         for rank, slots in taken:
-            dst_offs, nbytes = self.staging.slice_of(rank)
+            dst_offs, nbytes = staging.slice_of(rank)
             room.staged[rank.agent_id] = StagedSlice(rank.agent_id, slots, dst_offs, nbytes)
         return True
 

@@ -17,7 +17,6 @@ other bytes of the same pages); slots are taken and given back on the loop only.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import secrets
 from typing import TYPE_CHECKING, Any
@@ -25,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import LocalProtocolError
 from ..layout import KVArgs
 from ..proto.decode_staging import StagedSlice
 from ..proto.topology import head_slice
+from .staging import page_rows
 
 if TYPE_CHECKING:
     from ..proto.bootstrap import PrefillRank
@@ -95,22 +96,25 @@ class DecodeStaging:
         """KV heads on a prefill rank at ``tp_prefill`` (ranks past the head count replicate one)."""
         return max(1, self.args.total_kv_head_num // tp_prefill)
 
+    def _shape(self) -> int:
+        """The prefill TP the slots are shaped for (``usable`` said yes to it first)."""
+        if self.tp_prefill is None:
+            raise LocalProtocolError("the decode staging area is not shaped for a prefill TP yet")
+        return self.tp_prefill
+
     def register_fields(self, rank: PrefillRank) -> dict[str, Any]:
         """Our pool as a decode rank of ``rank``'s TP holding ``rank``'s heads would register it."""
-        assert self.tp_prefill is not None
-        n = np.uint64(self._slots)
-        return {"tp_size": self.tp_prefill, "engine_rank": rank.tp_rank,
-                "kv_head_num": self._heads(self.tp_prefill),
+        tp_prefill, n = self._shape(), np.uint64(self._slots)
+        return {"tp_size": tp_prefill, "engine_rank": rank.tp_rank, "kv_head_num": self._heads(tp_prefill),
                 "kv_ptrs": tuple(int(x) for x in self._bases + np.uint64(self.addr)),
                 "kv_lens": tuple(int(x) for x in self.slot_items * n),
                 "kv_item_lens": tuple(int(x) for x in self.slot_items)}
 
     def slice_of(self, rank: PrefillRank) -> tuple[U64, U64]:
-        a = self.args
-        assert self.tp_prefill is not None
-        hs = head_slice(tp_prefill=self.tp_prefill, tp_decode=a.tp_size, prefill_rank=rank.tp_rank,
+        a, tp_prefill = self.args, self._shape()
+        hs = head_slice(tp_prefill=tp_prefill, tp_decode=a.tp_size, prefill_rank=rank.tp_rank,
                         decode_rank=a.engine_rank, total_heads=a.total_kv_head_num,
-                        prefill_heads=self._heads(self.tp_prefill), decode_heads=a.kv_head_num,
+                        prefill_heads=self._heads(tp_prefill), decode_heads=a.kv_head_num,
                         page_size=a.page_size, src_items=self.slot_items, dst_items=self._items)
         return hs.dst_offs, hs.nbytes
 
@@ -170,18 +174,14 @@ class DecodeStaging:
             if not len(part.slots):
                 continue
             written = ~np.all(self.buffer[self._marks(int(part.slots[0]))] == self._marker, axis=1)
-            runs = _runs(part.slots)
+            moves = _moves(part.slots, pages)
             for e in np.flatnonzero(written).tolist():
                 n, lo = int(part.nbytes[e]), int(part.dst_offs[e])
                 base, size = int(self._bases[e]), int(self.slot_items[e]) * self._slots
                 stage = self.buffer[base:base + size].reshape(self._slots, a.page_size, n)
                 kv = self._kv_view(e)
-                for i, j in runs:  # a view of each run of slots; its pages a slice too where they run on
-                    s0, p0 = int(part.slots[i]), int(pages[i])
-                    if j - i == 1 or np.all(np.diff(pages[i:j]) == 1):  # (a slice copies faster)
-                        kv[p0:p0 + j - i, :, lo:lo + n] = stage[s0:s0 + j - i]
-                    else:
-                        kv[pages[i:j], :, lo:lo + n] = stage[s0:s0 + j - i]
+                for s0, count, dst in moves:
+                    kv[dst, :, lo:lo + n] = stage[s0:s0 + count]
                 copied += 1
         return copied
 
@@ -190,15 +190,21 @@ class DecodeStaging:
         view = self._kv.get(entry)
         if view is None:
             a = self.args
-            n = int(a.kv_data_lens[entry])
-            raw = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(int(a.kv_data_ptrs[entry])))
             item = int(a.kv_item_lens[entry])
-            view = self._kv[entry] = raw[:item * (n // item)].reshape(n // item, a.page_size, -1)
+            view = self._kv[entry] = page_rows(int(a.kv_data_ptrs[entry]), item, int(a.kv_data_lens[entry]) // item,
+                                               a.page_size)
         return view
 
 
-def _runs(slots: I32) -> list[tuple[int, int]]:
-    """``[i, j)`` ranges of positions over which the slots advance by one (taken in runs: usually one)."""
+def _moves(slots: I32, pages: I32) -> list[tuple[int, int, slice | I32]]:
+    """The copies of one rank's slots, the same for every entry: per run of consecutive slots (taken in
+    runs: usually one), its first slot, its length and its pages (a slice where they run on too: it
+    copies faster than an index array)."""
     cut = np.flatnonzero(np.diff(slots) != 1) + 1
     bounds = [0, *cut.tolist(), len(slots)]
-    return list(itertools.pairwise(bounds))
+    moves: list[tuple[int, int, slice | I32]] = []
+    for i, j in itertools.pairwise(bounds):
+        p0 = int(pages[i])
+        dst = slice(p0, p0 + j - i) if j - i == 1 or bool(np.all(np.diff(pages[i:j]) == 1)) else pages[i:j]
+        moves.append((int(slots[i]), j - i, dst))
+    return moves

@@ -18,12 +18,20 @@ and from build threads at once.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["StagingArea"]
+__all__ = ["StagingArea", "page_rows"]
+
+
+def page_rows(ptr: int, item_bytes: int, pages: int, page_size: int) -> npt.NDArray[np.uint8]:
+    """The KV entry at ``ptr`` (``pages`` pages of ``item_bytes``) as (pages, page_size, token row
+    bytes): a view of that memory, no copy, for the strided copies into and out of staging."""
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * (item_bytes * pages)).from_address(ptr))
+    return raw.reshape(pages, page_size, -1)
 
 
 class StagingArea:

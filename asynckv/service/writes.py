@@ -7,7 +7,6 @@ check the write lease between handles and no single copy runs long.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import mmap
@@ -35,7 +34,7 @@ from ..proto.registration import INT32_ROWS, POOL_RATIO
 from ..proto.sender import DecodePeer
 from ..proto.topology import PeerPlan
 from ..transport.base import DescPiece, MemoryLayout, PreppedPiece, Write
-from .staging import StagingArea
+from .staging import StagingArea, page_rows
 
 __all__ = ["GATHER_INLINE_BYTES", "LANE_SPLIT_BYTES", "SCRATCH_BYTES", "WriteBuilder", "aux_rows", "dlist_rows"]
 
@@ -363,9 +362,8 @@ class WriteBuilder:
         view = self._kv_views.get(entry)
         if view is None:
             a = self.args
-            n = int(self.kv_items[entry]) * a.num_pages
-            raw = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(int(self.kv_ptrs[entry])))
-            view = self._kv_views[entry] = raw.reshape(a.num_pages, a.page_size, -1)
+            view = self._kv_views[entry] = page_rows(int(self.kv_ptrs[entry]), int(self.kv_items[entry]),
+                                                     a.num_pages, a.page_size)
         return view
 
     def _stage(self, geom: _Peer, post: Post) -> tuple[U64, U64] | None:
