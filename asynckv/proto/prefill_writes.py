@@ -136,7 +136,10 @@ class WriteRules(Core):
                     writes.append((dest, "aux", np.array([room.aux_index], dtype=np.int64),
                                    np.array([info.aux_index], dtype=np.int64), self.aux_bytes, None))
             plan = dest.peer.plan.state
-            if plan is None or len(info.dst_state_indices) == 0 or (plan.replicated and not info.write_aux):
+            # State every TP rank of a stage holds goes from one rank per stage: the aux writer is one on
+            # the last stage only (and every real rank on SGLang's wire), so each stage's first rank too.
+            if plan is None or len(info.dst_state_indices) == 0 or \
+                    (plan.replicated and not (plan.first or info.write_aux)):
                 continue
             if state is None or len(state) != len(info.dst_state_indices):
                 got = "none" if state is None else len(state)

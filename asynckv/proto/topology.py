@@ -189,7 +189,9 @@ class StatePlan:
     blocks: tuple[U64, U64, U64] | None = None
     """(src_offs, dst_offs, lens), each [entries, blocks], for kind "blocks"."""
     replicated: bool = False
-    """The same bytes are on every prefill rank: only the aux writer sends them."""
+    """The same bytes are on every prefill TP rank of a stage: one of them sends them (``first``)."""
+    first: bool = True
+    """This prefill rank is the first of its stage's ranks writing into that decode rank (``first_writer``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -270,8 +272,7 @@ def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64
         if dim_s == 0 and dim_d == 0:  # replicated: whole item, written by one sender only
             if item_s != item_d:
                 raise LayoutMismatch(f"mamba replicated state entry {i}: prefill {item_s} bytes, decode {item_d}")
-            first = tp_p <= tp_d or local.engine_rank % (tp_p // tp_d) == 0
-            lens[row, 0] = item_s if first else 0
+            lens[row, 0] = item_s if first_writer(local, reg) else 0
             continue
         if dim_s == 0 or dim_d == 0 or item_s % (dim_s * outer) or item_d % (dim_d * outer):
             raise LayoutMismatch(f"mamba state entry {i}: dims {dim_s}/{dim_d} do not divide items {item_s}/{item_d}")
@@ -296,6 +297,14 @@ def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64
     return src_offs, dst_offs, lens
 
 
+def first_writer(local: KVArgs, reg: Register) -> bool:
+    """Whether this prefill rank is the first of the ranks of its PP stage that write into ``reg``'s
+    rank (the only one when the decode TP is not smaller): the one that sends bytes all of them hold.
+    Each stage has one, for its own layers' entries."""
+    tp_p, tp_d = local.tp_size, reg.tp_size
+    return tp_p <= tp_d or local.engine_rank % (tp_p // tp_d) == 0
+
+
 def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
     if local.state_type != reg.state_type:
         raise LayoutMismatch(f"state_type mismatch: prefill has {local.state_type!r}, decode has {reg.state_type!r}")
@@ -313,7 +322,8 @@ def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
             raise LayoutMismatch(f"{local.state_type} state item sizes differ: prefill "
                                  f"{items_s.tolist()[:4]}, decode {items_d.tolist()[:4]}")
         kind = "items" if local.state_type == "mamba" else "pages"
-        return StatePlan(kind, src, dst, replicated=local.state_type == "nsa" or local.is_mla)
+        return StatePlan(kind, src, dst, replicated=local.state_type == "nsa" or local.is_mla,
+                         first=first_writer(local, reg))
     if local.state_type == "swa":
         hs = head_slice(tp_prefill=local.tp_size, tp_decode=reg.tp_size, prefill_rank=local.engine_rank,
                         decode_rank=reg.engine_rank, total_heads=local.total_kv_head_num,

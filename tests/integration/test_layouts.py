@@ -79,6 +79,10 @@ async def test_layout_full_matrix(lay: Layout) -> None:
     Layout(2, 1, 4, pp_prefill=2, state="mamba"),
     Layout(2, 2, 4, state="swa"), Layout(4, 2, 8, state="swa"), Layout(1, 2, 2, state="swa"),
     Layout(2, 2, 4, state="nsa"), Layout(4, 1, 4, state="nsa"), Layout(2, 4, 1, mla=True, state="nsa"),
+    # State the same on every prefill TP rank (NSA, and any state of MLA) comes from one rank per PP stage:
+    # each stage holds its own layers' entries.
+    Layout(4, 1, 4, pp_prefill=2, state="nsa"), Layout(2, 2, 4, pp_prefill=2, pp_decode=2, state="nsa"),
+    Layout(2, 1, 1, mla=True, pp_prefill=2, state="nsa"), Layout(2, 4, 1, mla=True, pp_prefill=2, state="swa"),
 ], ids=layout_id)
 async def test_hybrid_state(lay: Layout) -> None:
     await check_layout(lay)
