@@ -8,6 +8,7 @@ prefill writes whole pages (one descriptor per page, runs merged) and needs noth
 either side of the wire. When every sender of a room has succeeded, the room is ``SCATTERING``:
 the pump copies each slot's rows into the slice of its page's token rows (``Scatter``) and
 answers ``scattered``; only then is it Succeeded, and its slots are given back as it finishes.
+The PP stages of one prefill TP rank share its slots: each writes its own layers' entries of them.
 
 A room whose staged ranks find too few free slots waits in ``RESOLVING`` (first come, first
 served) until a finishing room gives its slots back; a room needing more slots than the area
@@ -47,9 +48,9 @@ U64 = npt.NDArray[np.uint64]
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class StagedSlice:
-    """What one prefill rank wrote into staging for one room: slot ``slots[k]`` holds, for every
-    entry, the rows of the room's ``k``-th page that go to bytes ``[dst_offs[e], dst_offs[e] +
-    nbytes[e])`` of each token row of entry ``e``."""
+    """What one prefill TP rank (all its PP stages) wrote into staging for one room: slot ``slots[k]``
+    holds, for every entry, the rows of the room's ``k``-th page that go to bytes ``[dst_offs[e],
+    dst_offs[e] + nbytes[e])`` of each token row of entry ``e``. ``agent_id``: its first stage's rank."""
 
     agent_id: str
     slots: I32
@@ -122,30 +123,34 @@ class StagingRules(Core):
     def _staged_register(self, rank: PrefillRank, addr: str) -> dict[str, Any] | None:
         """Our Register's fields for ``rank`` when it writes into staging, else None."""
         instance = self.instances.get(addr)
-        if self.staging is None or instance is None or instance.pp_size != 1 \
+        if self.staging is None or instance is None \
                 or not self.staging.usable(instance.tp_size):
             return None
         return self.staging.register_fields(rank)
 
     def _take_slots(self, room: ReceiverRoom, staged: list[PrefillRank], now: float) -> bool:
-        """Slots for each of ``staged`` (the room's real ranks that write into staging): True when
-        taken (or none needed); False when the room waits for slots or failed for want of them."""
+        """Slots for ``staged`` (the room's real ranks that write into staging): ``len(pages)`` for each
+        prefill TP rank, shared by its PP stages (each writes its own layers' entries). True when taken
+        (or none needed); False when the room waits for slots or failed for want of them."""
         n, staging = len(room.pages), self.staging
         if not staged or n == 0 or room.staged or staging is None:  # (ranks are staged only with an area)
             return True
-        need = n * len(staged)
+        stages: dict[int, list[PrefillRank]] = {}
+        for rank in staged:
+            stages.setdefault(rank.tp_rank, []).append(rank)
+        need = n * len(stages)
         if need > staging.slots:
             self.fail(room, InvalidArgument(
-                f"room {room.room} needs {need} staging slots ({n} pages from each of {len(staged)} prefill ranks "
-                f"holding fewer heads), the decode staging area holds {staging.slots}: raise "
+                f"room {room.room} needs {need} staging slots ({n} pages from each of {len(stages)} prefill TP "
+                f"ranks holding fewer heads), the decode staging area holds {staging.slots}: raise "
                 f"decode_staging_bytes"), now)
             return False
         if self._slot_waiters and self._slot_waiters[0] is not room:
             if room not in self._slot_waiters:
                 self._slot_waiters.append(room)
             return False  # first come, first served
-        taken: list[tuple[PrefillRank, I32]] = []
-        for rank in staged:
+        taken: list[tuple[list[PrefillRank], I32]] = []
+        for ranks in stages.values():
             slots = staging.take(n)
             if slots is None:
                 for _, got in taken:
@@ -153,12 +158,14 @@ class StagingRules(Core):
                 if room not in self._slot_waiters:
                     self._slot_waiters.append(room)
                 return False
-            taken.append((rank, slots))
+            taken.append((ranks, slots))
         if self._slot_waiters and self._slot_waiters[0] is room:
             self._slot_waiters.popleft()
-        for rank, slots in taken:
-            dst_offs, nbytes = staging.slice_of(rank)
-            room.staged[rank.agent_id] = StagedSlice(rank.agent_id, slots, dst_offs, nbytes)
+        for ranks, slots in taken:
+            dst_offs, nbytes = staging.slice_of(ranks[0])
+            part = StagedSlice(ranks[0].agent_id, slots, dst_offs, nbytes)
+            for rank in ranks:
+                room.staged[rank.agent_id] = part
         return True
 
     def _senders_succeeded(self, room: ReceiverRoom, now: float) -> None:
@@ -166,7 +173,7 @@ class StagingRules(Core):
         if room.staged:
             room.move(Event.SENDERS_STAGED)
             self.deadlines.arm(room, None)  # (a local copy: it ends, and nothing may abort it midway)
-            self._emit(Scatter(room, tuple(room.staged.values())))
+            self._emit(Scatter(room, tuple(dict.fromkeys(room.staged.values()))))  # (one per TP rank)
             return
         room.move(Event.SENDERS_SUCCEEDED)
         self._finish(room, now)
@@ -186,7 +193,7 @@ class StagingRules(Core):
     def _release_slots(self, room: ReceiverRoom, now: float) -> None:
         """A finished room's slots are free (no rank can write into them), and waiting rooms may go on."""
         if room.staged and self.staging is not None:
-            for part in room.staged.values():
+            for part in dict.fromkeys(room.staged.values()):  # (a TP rank's PP stages share one)
                 self.staging.give(part.slots)
             room.staged.clear()
         if room in self._slot_waiters:

@@ -128,6 +128,8 @@ async def test_head_slices_for_a_larger_decode_tp_are_staged_into_whole_pages(
 DECODE_STAGED = [
     Layout(2, 1, 8), Layout(4, 2, 8), Layout(8, 2, 2), Layout(4, 1, 8, pp_prefill=2), Layout(4, 1, 4, state="nsa"),
     Layout(4, 2, 8, draft_layers=2), Layout(4, 2, 8, state="mamba"), Layout(2, 2, 4), Layout(1, 2, 4),
+    Layout(4, 2, 8, pp_prefill=2, pp_decode=2),
+    Layout(4, 1, 8, pp_prefill=4, draft_layers=1), Layout(4, 1, 4, pp_prefill=2, state="nsa"),
 ]
 
 
@@ -135,7 +137,8 @@ DECODE_STAGED = [
 async def test_decode_staging_for_a_larger_prefill_tp(lay: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode rank holding more heads than its prefill ranks takes their whole pages into staging
     slots and copies their rows into its pages: the same bytes as per token, every slot given back.
-    Prefill PP, mamba state and equal TP do not stage (their slices depend on the prefill's split)."""
+    Prefill and decode PP stage too (each prefill stage writes its own layers' entries into slots of
+    its own); mamba state and equal TP do not (their slices depend on the prefill's split)."""
     from asynckv.service.decode_staging import DecodeStaging
     copied: list[int] = []
     real = DecodeStaging.scatter
@@ -146,8 +149,7 @@ async def test_decode_staging_for_a_larger_prefill_tp(lay: Layout, monkeypatch: 
         return n
     monkeypatch.setattr(DecodeStaging, "scatter", spy)
     await check_layout(lay, prefix_pages=2 if lay.draft_layers else 0, decode_staging_bytes=8 * 2**20)
-    staged = lay.tp_prefill > lay.tp_decode and lay.pp_prefill == 1 and lay.state in ("none", "nsa") \
+    staged = lay.tp_prefill > lay.tp_decode and lay.state in ("none", "nsa") \
         and lay.heads // lay.tp_decode > max(1, lay.heads // lay.tp_prefill)
     assert bool(copied) == staged
-    entries = 2 * (lay.layers + lay.draft_layers)  # K and V of every layer, from each staged rank
-    assert all(n > 0 and n % entries == 0 for n in copied)
+    assert all(n > 0 for n in copied)  # (entries a rank's stage does not hold are left alone: the bytes say so)

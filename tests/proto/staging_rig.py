@@ -33,16 +33,20 @@ def decode_args(kv: np.ndarray, tp: int = 1, engine_rank: int = 0) -> KVArgs:
                   total_kv_head_num=HEADS * tp)
 
 
-def prank(tp_size: int, tp: int, prefix: str = "prefill", host: str = "10.0.0.1") -> PrefillRank:
-    return PrefillRank(tp_size=tp_size, tp_rank=tp, pp_size=1, pp_rank=0, dp_size=1, dp_rank=0,
-                       endpoint=f"tcp://{host}:{17000 + tp}", agent_id=f"{prefix}-{tp}", page_size=PAGE,
+def prank(tp_size: int, tp: int, prefix: str = "prefill", host: str = "10.0.0.1", pp_size: int = 1,
+          pp: int = 0) -> PrefillRank:
+    """Rank ``tp`` of stage ``pp``: agent ``{prefix}-{tp}`` (``{prefix}-s{pp}-{tp}`` past the first stage)."""
+    name = f"{prefix}-{tp}" if pp == 0 else f"{prefix}-s{pp}-{tp}"
+    return PrefillRank(tp_size=tp_size, tp_rank=tp, pp_size=pp_size, pp_rank=pp, dp_size=1, dp_rank=0,
+                       endpoint=f"tcp://{host}:{17000 + 100 * pp + tp}", agent_id=name, page_size=PAGE,
                        kv_dtype="bfloat16", is_mla=False)
 
 
-def instance(tp_size: int, prefix: str = "prefill", host: str = "10.0.0.1") -> PrefillInstance:
-    return PrefillInstance(tp_size=tp_size, pp_size=1, dp_size=1, page_size=PAGE, kv_dtype="bfloat16", is_mla=False,
-                           protocol_version=prank(tp_size, 0).protocol_version,
-                           ranks={(0, t, 0): prank(tp_size, t, prefix, host) for t in range(tp_size)})
+def instance(tp_size: int, prefix: str = "prefill", host: str = "10.0.0.1", pp_size: int = 1) -> PrefillInstance:
+    return PrefillInstance(tp_size=tp_size, pp_size=pp_size, dp_size=1, page_size=PAGE, kv_dtype="bfloat16",
+                           is_mla=False, protocol_version=prank(tp_size, 0).protocol_version,
+                           ranks={(0, t, p): prank(tp_size, t, prefix, host, pp_size, p)
+                                  for t in range(tp_size) for p in range(pp_size)})
 
 
 class Rig:
@@ -50,7 +54,7 @@ class Rig:
     TP ``tp_prefill`` prefill at ``ADDR``."""
 
     def __init__(self, slots: int = 8, tp_prefill: int = 2, tp: int = 1, engine_rank: int = 0,
-                 config: Config | None = None) -> None:
+                 config: Config | None = None, pp_prefill: int = 1) -> None:
         self.kv = np.zeros((ENTRIES, PAGES * ITEM), dtype=np.uint8)
         args = decode_args(self.kv, tp, engine_rank)
         per_slot = ENTRIES * ITEM * max(1, HEADS * tp // tp_prefill) // HEADS
@@ -67,7 +71,7 @@ class Rig:
         self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, self.config, register, itertools.count(1),
                                self.staging)
         self.now = 0.0
-        self.inst = instance(tp_prefill)
+        self.inst = instance(tp_prefill, pp_size=pp_prefill)
         self.core.topology_fetched(ADDR, self.inst, self.now)
         self.out: list[act.Action] = []
         self.sessions: dict[str, int] = {}
@@ -100,7 +104,8 @@ class Rig:
         return out + self.take()
 
     def status(self, r: Any, agent: str, ok: bool = True, reason: str = "") -> None:
-        sender_rank = int(agent.rsplit("-", 1)[1])
+        rank = r.ranks[agent].rank
+        sender_rank = rank.tp_rank * rank.pp_size + rank.pp_rank  # (as a prefill numbers itself, DP 0)
         self.core.receive(Status(r.room, r.epoch, agent, self.sessions[agent], sender_rank, ok, reason), self.now)
 
     def succeed(self, r: Any, agents: list[str] | None = None) -> list[act.Action]:

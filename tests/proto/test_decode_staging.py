@@ -12,7 +12,7 @@ from asynckv.proto import actions as act
 from asynckv.proto.messages import Register, RegisterResult, Status
 from asynckv.proto.states import KVPoll, ReceiverState
 
-from .staging_rig import HEAD_BYTES, HEADS, ITEM, LAYERS, ME, PAGE, PAGES, Rig, infos
+from .staging_rig import HEAD_BYTES, HEADS, ITEM, LAYERS, ME, PAGE, PAGES, Rig, infos, scatters
 
 
 def test_each_prefill_rank_sees_a_decode_of_its_own_tp_whose_pages_are_staging_slots() -> None:
@@ -145,3 +145,34 @@ def test_the_area_is_shaped_once_for_a_prefill_tp_that_holds_fewer_heads(tp_pref
     if usable:
         assert rig.staging.slot_items.tolist() == [ITEM * max(1, HEADS // tp_prefill) // HEADS] * (2 * LAYERS)
         assert not rig.staging.usable(2 if tp_prefill != 2 else 4)  # one shape per area
+
+
+def test_a_pp_prefills_stages_share_their_tp_ranks_slots_and_each_rank_is_copied_once() -> None:
+    """Prefill TP2 PP2: the two stages of a TP rank write other entries (their own layers) of the same
+    slots, so a room takes pages x 2 slots, not x 4; success needs all four, and each TP rank's slots
+    are copied once, every entry of both stages in place."""
+    rig = Rig(slots=8, pp_prefill=2)
+    r = rig.room(1, [5, 9])
+    sent = infos(rig.register_all())
+    assert set(sent) == {(1, a) for a in ("prefill-0", "prefill-1", "prefill-s1-0", "prefill-s1-1")}
+    for t in (0, 1):
+        assert sent[(1, f"prefill-{t}")].dst_pages.tolist() == sent[(1, f"prefill-s1-{t}")].dst_pages.tolist()
+    assert rig.staging.free_slots == rig.staging.slots - 4
+    half = ITEM // 2
+    for (_, agent), info in sent.items():  # stage 0 writes entries 0 and 2 (K and V of layer 0), stage 1 the others
+        stage, t = int("-s1-" in agent), int(agent[-1])
+        for e in (stage, stage + 2):
+            base = int(rig.staging._bases[e])
+            for k in info.dst_pages.tolist():
+                rig.staging.buffer[base + k * half:base + (k + 1) * half] = 0x10 * (t + 1) + e
+    assert not scatters(rig.succeed(r, ["prefill-0", "prefill-1", "prefill-s1-0"]))
+    assert r.state is ReceiverState.WAITING
+    [scatter] = scatters(rig.succeed(r, ["prefill-s1-1"]))
+    assert sorted(s.agent_id[-1] for s in scatter.slices) == ["0", "1"]  # one slice per TP rank
+    assert rig.staging.scatter(r.pages, scatter.slices) == 2 * 2 * LAYERS
+    rig.core.scattered(r, None, rig.now)
+    assert r.poll() is KVPoll.Success and rig.staging.free_slots == rig.staging.slots
+    rows = rig.kv.reshape(2 * LAYERS, PAGES, PAGE, HEADS * HEAD_BYTES)
+    row = HEADS * HEAD_BYTES // 2
+    for e in range(2 * LAYERS):
+        assert np.all(rows[e, [5, 9], :, :row] == 0x10 + e) and np.all(rows[e, [5, 9], :, row:] == 0x20 + e)
