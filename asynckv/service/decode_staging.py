@@ -8,9 +8,11 @@ fixes the shape: slot ``k`` of entry ``e`` is ``item[e] * their_heads / our_head
 at another TP larger than ours are written per token, as without staging.)
 
 Which entries a rank writes is the prefill's business (pairing by layer id): before a room's
-destination goes out, the first 16 bytes of its first slot in every entry get a marker drawn at
-random per area, and an entry whose marker is still there once every sender succeeded was not
-written: it is not copied (a real token row equals the marker with probability 2^-128). Above
+destination goes out, the first 16 bytes of each of its slots in every entry get a marker drawn
+at random per area, and a slot whose marker is still there once every sender succeeded was not
+written: it is not copied (a real token row equals the marker with probability 2^-128). An entry
+a rank does not hold is skipped whole; a page it claimed but did not write keeps its contents, as
+when written per token, never an earlier room's rows left in the slot. Above
 ``SCATTER_INLINE_BYTES`` each rank's slice is copied on a worker thread of its own (the slices are
 other bytes of the same pages); slots are taken and given back on the loop only.
 """
@@ -18,6 +20,7 @@ other bytes of the same pages); slots are taken and given back on the loop only.
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from ..proto.bootstrap import PrefillRank
 
 __all__ = ["DecodeStaging", "SCATTER_INLINE_BYTES"]
+
+log = logging.getLogger("asynckv.decode")
 
 I32 = npt.NDArray[np.int32]
 U64 = npt.NDArray[np.uint64]
@@ -68,6 +73,8 @@ class DecodeStaging:
         self._free: list[tuple[int, int]] = []
         """Free runs of slots (start, length), sorted, never adjacent."""
         self._kv: dict[int, npt.NDArray[np.uint8]] = {}
+        self._uniform: npt.NDArray[np.uint8] | None = None
+        """The area as (entries, slots, slot bytes) where every entry's slot is one size."""
 
     # -- shape ---------------------------------------------------------------------------
 
@@ -90,6 +97,9 @@ class DecodeStaging:
         self.tp_prefill, self.slot_items, self._slots = tp_prefill, slot_items, slots
         self._bases = np.concatenate(([0], np.cumsum(slot_items[:-1] * np.uint64(slots)))).astype(np.uint64)
         self._free = [(0, slots)]
+        item = int(slot_items[0])
+        if np.all(slot_items == slot_items[0]):  # (the usual: K and V of every layer alike) one 3-d view
+            self._uniform = self.buffer[:len(slot_items) * slots * item].reshape(len(slot_items), slots, item)
         return True
 
     def _heads(self, tp_prefill: int) -> int:
@@ -122,7 +132,7 @@ class DecodeStaging:
 
     def take(self, n: int) -> I32 | None:
         """``n`` slots, from the lowest free runs (contiguous where they can be: a run of pages is one
-        descriptor), each entry's first slot marked unwritten; None when fewer are free."""
+        descriptor), each marked unwritten in every entry; None when fewer are free."""
         if n <= 0 or sum(length for _, length in self._free) < n:
             return None
         parts, left = [], n
@@ -136,7 +146,11 @@ class DecodeStaging:
                 self._free[0] = (start + got, length - got)
             left -= got
         slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        self.buffer[self._marks(int(slots[0]))] = self._marker
+        view = self._mark_view(slots)
+        if view is not None:
+            view[...] = self._marker
+        else:
+            self.buffer[self._marks(slots)] = self._marker
         return slots
 
     def give(self, slots: I32) -> None:
@@ -155,10 +169,22 @@ class DecodeStaging:
     def free_slots(self) -> int:
         return sum(length for _, length in self._free)
 
-    def _marks(self, slot: int) -> npt.NDArray[np.intp]:
-        """Buffer indices of the marker of ``slot`` in every entry: shape (entries, MARK)."""
-        first = self._bases + np.uint64(slot) * self.slot_items
-        return (first.astype(np.intp)[:, None] + np.arange(MARK, dtype=np.intp)[None, :])
+    def _mark_view(self, slots: I32) -> npt.NDArray[np.uint8] | None:
+        """The markers of ``slots`` in every entry, (entries, len(slots), MARK), as a view where the slots
+        are one run (taken lowest first: the usual) and the entries one size; else None."""
+        if self._uniform is None or not len(slots) or int(slots[-1]) - int(slots[0]) != len(slots) - 1:
+            return None
+        s0 = int(slots[0])
+        return self._uniform[:, s0:s0 + len(slots), :MARK]
+
+    def _read_marks(self, slots: I32) -> npt.NDArray[np.uint8]:
+        view = self._mark_view(slots)
+        return view if view is not None else self.buffer[self._marks(slots)]
+
+    def _marks(self, slots: I32) -> npt.NDArray[np.intp]:
+        """Buffer indices of the markers of ``slots`` in every entry: shape (entries, len(slots), MARK)."""
+        first = self._bases[:, None] + slots.astype(np.uint64)[None, :] * self.slot_items[:, None]
+        return first.astype(np.intp)[:, :, None] + np.arange(MARK, dtype=np.intp)
 
     # -- the copy ------------------------------------------------------------------------
 
@@ -173,15 +199,22 @@ class DecodeStaging:
         for part in slices:
             if not len(part.slots):
                 continue
-            written = ~np.all(self.buffer[self._marks(int(part.slots[0]))] == self._marker, axis=1)
+            written = ~np.all(self._read_marks(part.slots) == self._marker, axis=2)  # (entries, slots)
+            whole = written.all(axis=1)
             moves = _moves(part.slots, pages)
-            for e in np.flatnonzero(written).tolist():
+            for e in np.flatnonzero(written.any(axis=1)).tolist():
                 n, lo = int(part.nbytes[e]), int(part.dst_offs[e])
                 base, size = int(self._bases[e]), int(self.slot_items[e]) * self._slots
                 stage = self.buffer[base:base + size].reshape(self._slots, a.page_size, n)
                 kv = self._kv_view(e)
-                for s0, count, dst in moves:
-                    kv[dst, :, lo:lo + n] = stage[s0:s0 + count]
+                if whole[e]:
+                    for s0, count, dst in moves:
+                        kv[dst, :, lo:lo + n] = stage[s0:s0 + count]
+                else:  # it said it wrote them all: the pages of slots it left keep their contents, as per token
+                    got = written[e]
+                    log.warning("prefill %s left %d of %d staged pages of entry %d unwritten; those pages are "
+                                "not copied", part.agent_id[:8], int((~got).sum()), len(got), e)
+                    kv[pages[got], :, lo:lo + n] = stage[part.slots[got]]
                 copied += 1
         return copied
 

@@ -21,6 +21,7 @@ from .staging_rig import (
     ENTRIES,
     HEAD_BYTES,
     HEADS,
+    ITEM,
     PAGE,
     PAGES,
     Rig,
@@ -391,6 +392,36 @@ def test_an_entry_left_unwritten_by_this_room_is_not_copied_even_if_the_slots_he
     half = HEADS * HEAD_BYTES // 2
     assert np.all(rows[0, 5, :, :half] == 0x40) and np.all(rows[0, 6, :, :half] == 0x41)
     assert np.all(rows[0, [5, 6], :, half:] == 0xEE) and np.all(rows[1:] == 0xEE)
+
+
+def test_a_page_a_rank_claims_but_left_unwritten_keeps_its_contents_not_an_earlier_rooms_rows() -> None:
+    """A lying (or broken) prefill reports success having written only the first of its pages: the
+    slot of the second still holds room a's rows, and they must not land in room b's page."""
+    rig = Rig(slots=4)
+    a = rig.room(1, [0, 1])
+    sent = infos(rig.register_all())
+    fill_slots(rig, sent, 1, {"prefill-0": 0x10, "prefill-1": 0x80})
+    [sc] = scatters(rig.succeed(a))
+    rig.staging.scatter(a.pages, sc.slices)
+    rig.core.scattered(a, None, rig.now)
+    b = rig.room(2, [5, 6])  # the same slots; prefill-0 writes its first slot only, prefill-1 both
+    sent = infos(rig.take())
+    assert {int(s) for m in sent.values() for s in m.dst_pages} == {0, 1, 2, 3}
+    stage, half_item = rig.staging.buffer, ITEM // 2
+    fill_slots(rig, sent, 2, {"prefill-1": 0xC0})
+    k = int(sent[(2, "prefill-0")].dst_pages[0])
+    for e in range(ENTRIES):
+        base = int(rig.staging._bases[e])
+        stage[base + k * half_item:base + (k + 1) * half_item] = 0x40 + e
+    [sc] = scatters(rig.succeed(b))
+    rig.kv[:] = 0xEE
+    assert rig.staging.scatter(b.pages, sc.slices) == 2 * ENTRIES
+    rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
+    half = HEADS * HEAD_BYTES // 2
+    for e in range(ENTRIES):
+        assert np.all(rows[e, 5, :, :half] == 0x40 + e)
+        assert np.all(rows[e, 6, :, :half] == 0xEE), "an earlier room's rows were copied into a page never written"
+        assert np.all(rows[e, 5, :, half:] == (0xC0 + e) % 256) and np.all(rows[e, 6, :, half:] == (0xC1 + e) % 256)
 
 
 # -- 6. every real rank counts --------------------------------------------------------------------------------
