@@ -6,6 +6,8 @@ together (close, one timer tick, peers declared dead in one heartbeat) failed on
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -374,16 +376,24 @@ def test_the_copy_with_fragmented_slots_and_scrambled_pages() -> None:
     assert np.all(rows[:, [q for q in range(PAGES) if q not in pages]] == 0xEE)
 
 
-def test_an_entry_left_unwritten_by_this_room_is_not_copied_even_if_the_slots_held_an_earlier_rooms_rows() -> None:
-    rig = Rig(slots=4)
+def after_a_room_left_its_rows(rig: Rig) -> tuple[Any, dict[tuple[int, str], TransferInfo]]:
+    """Room 1 on pages [0, 1] written whole and copied; then room 2 on pages [5, 6], which takes the same
+    four slots (still holding room 1's rows), and what it sent."""
     a = rig.room(1, [0, 1])
     sent = infos(rig.register_all())
     fill_slots(rig, sent, 1, {"prefill-0": 0x10, "prefill-1": 0x80})
     [sc] = scatters(rig.succeed(a))
     rig.staging.scatter(a.pages, sc.slices)
     rig.core.scattered(a, None, rig.now)
-    b = rig.room(2, [5, 6])  # reuses the same slots; prefill-0 writes only entry 0, prefill-1 nothing
+    b = rig.room(2, [5, 6])
     sent = infos(rig.take())
+    assert {int(s) for m in sent.values() for s in m.dst_pages} == {0, 1, 2, 3}
+    return b, sent
+
+
+def test_an_entry_left_unwritten_by_this_room_is_not_copied_even_if_the_slots_held_an_earlier_rooms_rows() -> None:
+    rig = Rig(slots=4)
+    b, sent = after_a_room_left_its_rows(rig)  # prefill-0 writes only entry 0, prefill-1 nothing
     fill_slots(rig, sent, 2, {"prefill-0": 0x40}, entries=range(1))
     [sc] = scatters(rig.succeed(b))
     rig.kv[:] = 0xEE
@@ -398,15 +408,7 @@ def test_a_page_a_rank_claims_but_left_unwritten_keeps_its_contents_not_an_earli
     """A lying (or broken) prefill reports success having written only the first of its pages: the
     slot of the second still holds room a's rows, and they must not land in room b's page."""
     rig = Rig(slots=4)
-    a = rig.room(1, [0, 1])
-    sent = infos(rig.register_all())
-    fill_slots(rig, sent, 1, {"prefill-0": 0x10, "prefill-1": 0x80})
-    [sc] = scatters(rig.succeed(a))
-    rig.staging.scatter(a.pages, sc.slices)
-    rig.core.scattered(a, None, rig.now)
-    b = rig.room(2, [5, 6])  # the same slots; prefill-0 writes its first slot only, prefill-1 both
-    sent = infos(rig.take())
-    assert {int(s) for m in sent.values() for s in m.dst_pages} == {0, 1, 2, 3}
+    b, sent = after_a_room_left_its_rows(rig)  # prefill-0 writes its first slot only, prefill-1 both
     stage, half_item = rig.staging.buffer, ITEM // 2
     fill_slots(rig, sent, 2, {"prefill-1": 0xC0})
     k = int(sent[(2, "prefill-0")].dst_pages[0])
