@@ -260,10 +260,11 @@ class DecodeCore(StagingRules, RegistrationRules):
             prog.session = self.registrations[agent_id].session
             part = room.staged.get(agent_id)
             pages = empty if target.is_dummy else room.pages if part is None else part.slots
+            state = empty if target.is_dummy or (part is not None and not self._staged_state_writer(target.rank)) \
+                else room.state_indices
             self._emit(Send(target.rank.endpoint, TransferInfo(
                 room.room, room.epoch, self.name, agent_id, room.aux_index, plan.required_dst_info_num,
-                target.is_dummy, target.write_aux, room.prefix_len, pages,
-                empty if target.is_dummy else room.state_indices)))
+                target.is_dummy, target.write_aux, room.prefix_len, pages, state)))
         room.move(Event.DESTINATION_SENT)
         self._emit(InitDone(room))
 
@@ -370,7 +371,7 @@ class DecodeCore(StagingRules, RegistrationRules):
         if not msg.ok:
             self.fail(room, TransferFailed(f"prefill rank {msg.sender_rank}: {msg.reason}"), now)
         elif room.state is ReceiverState.WAITING and room.plan is not None:
-            room.responses.add(msg.sender_rank)
+            room.responses.add(msg.prefill_id)
             if len(room.responses) >= room.plan.required_responses:
                 self._senders_succeeded(room, now)
         self._maybe_fenced(room, now)

@@ -168,6 +168,12 @@ class StagingRules(Core):
                 room.staged[rank.agent_id] = part
         return True
 
+    def _staged_state_writer(self, rank: PrefillRank) -> bool:
+        """Whether a rank writing into staging gets the room's state indices. Staged state is NSA, the
+        same on every prefill TP rank, and each staged rank takes itself for our only writer (a decode of
+        its own TP), so only the first rank of those writing into us from each stage gets them."""
+        return rank.tp_rank % max(1, rank.tp_size // self.kv_args.tp_size) == 0
+
     def _senders_succeeded(self, room: ReceiverRoom, now: float) -> None:
         """Every real sender succeeded: scatter what was staged, else the room has succeeded."""
         if room.staged:

@@ -60,8 +60,10 @@ class ReceiverRoom(Outcome):
     plan: TargetPlan | None = None
     ranks: dict[str, RankProgress] = dataclasses.field(default_factory=dict)
     """By prefill agent id (incarnation)."""
-    responses: set[int] = dataclasses.field(default_factory=set)
-    """Sender ranks that reported success."""
+    responses: set[str] = dataclasses.field(default_factory=set)
+    """Real senders (prefill agent ids) that reported success. By agent, not by the ``sender_rank`` a
+    status names: a rank could name another's number, and that one's own success would then count for
+    nothing."""
     cleared: bool = False
     started: float | None = None
     finished: float | None = None

@@ -52,6 +52,10 @@ async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2, **con
             dst, state_dst = await run_room(lay, prefill, decode, addr, room * 1000 + 7, 7, rng,
                                             prefix_pages=prefix_pages)
             check_decode(lay, prefill, decode, room * 1000 + 7, 7, dst, state_dst, prefix_pages=prefix_pages)
+        if lay.state == "nsa" or (lay.mla and lay.state != "none"):  # the same on every TP rank: one writer a stage
+            posts = sum(r.mgr._svc.core.stats["state_posts"] for r in prefill)  # type: ignore[union-attr]
+            stages = lay.pp_prefill if lay.pp_decode == 1 else 1
+            assert posts == rooms * len(decode) * stages, f"{posts} state writes for {rooms} rooms"
         for r in prefill + decode:
             assert r.mgr is not None
             assert all(v == 0 for v in r.mgr.room_counts().values())

@@ -26,11 +26,16 @@ ITEM = PAGE * HEADS * HEAD_BYTES
 ENTRIES = 2 * LAYERS
 
 
-def decode_args(kv: np.ndarray, tp: int = 1, engine_rank: int = 0) -> KVArgs:
+def decode_args(kv: np.ndarray, tp: int = 1, engine_rank: int = 0, nsa: np.ndarray | None = None) -> KVArgs:
+    """With ``nsa`` (one row per layer): NSA state pages of 64 bytes, one entry per layer."""
+    state: dict[str, Any] = {} if nsa is None else dict(
+        state_type="nsa", state_data_ptrs=[int(row.ctypes.data) for row in nsa],
+        state_data_lens=[nsa[0].nbytes] * len(nsa), state_item_lens=[64] * len(nsa),
+        state_layer_ids=list(range(len(nsa))))
     return KVArgs(kv_data_ptrs=[int(kv[e].ctypes.data) for e in range(len(kv))], kv_data_lens=[kv[0].nbytes] * len(kv),
                   kv_item_lens=[ITEM] * len(kv), aux_data_ptrs=[], aux_data_lens=[], aux_item_lens=[],
                   page_size=PAGE, tp_size=tp, engine_rank=engine_rank, kv_head_num=HEADS,
-                  total_kv_head_num=HEADS * tp)
+                  total_kv_head_num=HEADS * tp, **state)
 
 
 def prank(tp_size: int, tp: int, prefix: str = "prefill", host: str = "10.0.0.1", pp_size: int = 1,
@@ -54,9 +59,10 @@ class Rig:
     TP ``tp_prefill`` prefill at ``ADDR``."""
 
     def __init__(self, slots: int = 8, tp_prefill: int = 2, tp: int = 1, engine_rank: int = 0,
-                 config: Config | None = None, pp_prefill: int = 1) -> None:
+                 config: Config | None = None, pp_prefill: int = 1, nsa: bool = False) -> None:
         self.kv = np.zeros((ENTRIES, PAGES * ITEM), dtype=np.uint8)
-        args = decode_args(self.kv, tp, engine_rank)
+        self.nsa = np.zeros((LAYERS, PAGES * 64), dtype=np.uint8) if nsa else None
+        args = decode_args(self.kv, tp, engine_rank, self.nsa)
         per_slot = ENTRIES * ITEM * max(1, HEADS * tp // tp_prefill) // HEADS
         self.staging = DecodeStaging(slots * per_slot, args)
         register = Register(
@@ -90,9 +96,9 @@ class Rig:
                 self.registers[a.msg.prefill_id] = a.msg
         return got
 
-    def room(self, room: int, pages: list[int], addr: str = ADDR) -> Any:
+    def room(self, room: int, pages: list[int], addr: str = ADDR, state: list[int] | None = None) -> Any:
         r = self.core.open_receiver(addr, room, self.now)
-        self.core.receiver_init(r, pages, -1, None, 0, self.now)
+        self.core.receiver_init(r, pages, -1, state, 0, self.now)
         return r
 
     def register_all(self) -> list[act.Action]:
