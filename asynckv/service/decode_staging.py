@@ -201,6 +201,10 @@ class DecodeStaging:
                 continue
             written = ~np.all(self._read_marks(part.slots) == self._marker, axis=2)  # (entries, slots)
             whole = written.all(axis=1)
+            partial = written.any(axis=1) & ~whole
+            if partial.any():  # it said it wrote them all: the pages of slots it left keep their contents
+                log.warning("prefill %s left staged pages unwritten in %d entries (%d pages in all); those pages "
+                            "are not copied", part.agent_id[:8], int(partial.sum()), int((~written[partial]).sum()))
             moves = _moves(part.slots, pages)
             for e in np.flatnonzero(written.any(axis=1)).tolist():
                 n, lo = int(part.nbytes[e]), int(part.dst_offs[e])
@@ -210,10 +214,8 @@ class DecodeStaging:
                 if whole[e]:
                     for s0, count, dst in moves:
                         kv[dst, :, lo:lo + n] = stage[s0:s0 + count]
-                else:  # it said it wrote them all: the pages of slots it left keep their contents, as per token
+                else:  # (as per token: what was not written keeps its contents)
                     got = written[e]
-                    log.warning("prefill %s left %d of %d staged pages of entry %d unwritten; those pages are "
-                                "not copied", part.agent_id[:8], int((~got).sum()), len(got), e)
                     kv[pages[got], :, lo:lo + n] = stage[part.slots[got]]
                 copied += 1
         return copied

@@ -6,6 +6,7 @@ together (close, one timer tick, peers declared dead in one heartbeat) failed on
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -404,7 +405,8 @@ def test_an_entry_left_unwritten_by_this_room_is_not_copied_even_if_the_slots_he
     assert np.all(rows[0, [5, 6], :, half:] == 0xEE) and np.all(rows[1:] == 0xEE)
 
 
-def test_a_page_a_rank_claims_but_left_unwritten_keeps_its_contents_not_an_earlier_rooms_rows() -> None:
+def test_a_page_a_rank_claims_but_left_unwritten_keeps_its_contents_not_an_earlier_rooms_rows(
+        caplog: pytest.LogCaptureFixture) -> None:
     """A lying (or broken) prefill reports success having written only the first of its pages: the
     slot of the second still holds room a's rows, and they must not land in room b's page."""
     rig = Rig(slots=4)
@@ -417,7 +419,11 @@ def test_a_page_a_rank_claims_but_left_unwritten_keeps_its_contents_not_an_earli
         stage[base + k * half_item:base + (k + 1) * half_item] = 0x40 + e
     [sc] = scatters(rig.succeed(b))
     rig.kv[:] = 0xEE
-    assert rig.staging.scatter(b.pages, sc.slices) == 2 * ENTRIES
+    with caplog.at_level(logging.WARNING, "asynckv.decode"):
+        assert rig.staging.scatter(b.pages, sc.slices) == 2 * ENTRIES
+    assert [r.getMessage() for r in caplog.records] == [  # one line per rank, not per entry
+        f"prefill prefill- left staged pages unwritten in {ENTRIES} entries ({ENTRIES} pages in all); those pages "
+        f"are not copied"]
     rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
     half = HEADS * HEAD_BYTES // 2
     for e in range(ENTRIES):
