@@ -250,7 +250,8 @@ class DecodeCore(StagingRules, RegistrationRules):
             return
         empty = np.empty(0, dtype=np.int32)
         plan = room.plan
-        staged = [t.rank for t in plan.targets if not t.is_dummy and self.registrations[t.rank.agent_id].staged]
+        staged = [t.rank for t in plan.targets if not t.is_dummy and self.registrations[t.rank.agent_id].staged] \
+            if self.staging is not None else []
         if not self._take_slots(room, staged, now):
             return  # waiting for staging slots, or failed for want of them
         for target in plan.targets:

@@ -33,6 +33,7 @@ from .actions import Scatter
 from .core import Core
 from .receiver import ReceiverRoom
 from .states import Event, ReceiverState
+from .topology import first_writer
 
 if TYPE_CHECKING:
     from .bootstrap import PrefillRank
@@ -172,7 +173,7 @@ class StagingRules(Core):
         """Whether a rank writing into staging gets the room's state indices. Staged state is NSA, the
         same on every prefill TP rank, and each staged rank takes itself for our only writer (a decode of
         its own TP), so only the first rank of those writing into us from each stage gets them."""
-        return rank.tp_rank % max(1, rank.tp_size // self.kv_args.tp_size) == 0
+        return first_writer(rank.tp_rank, rank.tp_size, self.kv_args.tp_size)
 
     def _senders_succeeded(self, room: ReceiverRoom, now: float) -> None:
         """Every real sender succeeded: scatter what was staged, else the room has succeeded."""

@@ -272,7 +272,7 @@ def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64
         if dim_s == 0 and dim_d == 0:  # replicated: whole item, written by one sender only
             if item_s != item_d:
                 raise LayoutMismatch(f"mamba replicated state entry {i}: prefill {item_s} bytes, decode {item_d}")
-            lens[row, 0] = item_s if first_writer(local, reg) else 0
+            lens[row, 0] = item_s if first_writer(local.engine_rank, local.tp_size, reg.tp_size) else 0
             continue
         if dim_s == 0 or dim_d == 0 or item_s % (dim_s * outer) or item_d % (dim_d * outer):
             raise LayoutMismatch(f"mamba state entry {i}: dims {dim_s}/{dim_d} do not divide items {item_s}/{item_d}")
@@ -297,12 +297,11 @@ def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64
     return src_offs, dst_offs, lens
 
 
-def first_writer(local: KVArgs, reg: Register) -> bool:
-    """Whether this prefill rank is the first of the ranks of its PP stage that write into ``reg``'s
-    rank (the only one when the decode TP is not smaller): the one that sends bytes all of them hold.
-    Each stage has one, for its own layers' entries."""
-    tp_p, tp_d = local.tp_size, reg.tp_size
-    return tp_p <= tp_d or local.engine_rank % (tp_p // tp_d) == 0
+def first_writer(prefill_rank: int, tp_prefill: int, tp_decode: int) -> bool:
+    """Whether prefill TP rank ``prefill_rank`` is the first of the ranks of its PP stage that write into
+    one decode rank (the only one when the decode TP is not smaller): the one that sends bytes all of
+    them hold. Each stage has one, for its own layers' entries."""
+    return tp_prefill <= tp_decode or prefill_rank % (tp_prefill // tp_decode) == 0
 
 
 def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
@@ -323,7 +322,7 @@ def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
                                  f"{items_s.tolist()[:4]}, decode {items_d.tolist()[:4]}")
         kind = "items" if local.state_type == "mamba" else "pages"
         return StatePlan(kind, src, dst, replicated=local.state_type == "nsa" or local.is_mla,
-                         first=first_writer(local, reg))
+                         first=first_writer(local.engine_rank, local.tp_size, reg.tp_size))
     if local.state_type == "swa":
         hs = head_slice(tp_prefill=local.tp_size, tp_decode=reg.tp_size, prefill_rank=local.engine_rank,
                         decode_rank=reg.engine_rank, total_heads=local.total_kv_head_num,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import types
 from typing import Any
 
 import numpy as np
@@ -511,18 +510,15 @@ def test_replicated_state_has_exactly_one_non_dummy_writer_per_stage_for_every_l
         for d in range(tp_d):
             plan = plan_targets(inst, room=0, tp_size=tp_d, engine_rank=d, is_mla=mla,
                                 total_kv_heads=1 if mla else h)
-            reg = types.SimpleNamespace(tp_size=tp_d, engine_rank=d)
             per_stage: dict[int, list[Any]] = {p: [] for p in range(pp)}
             for t in plan.targets:
-                local = types.SimpleNamespace(tp_size=tp_p, engine_rank=t.rank.tp_rank)
                 if t.is_dummy:
                     continue  # (a dummy writes nothing at all: _chunk_writes skips it)
-                if first_writer(local, reg) or t.write_aux:  # the prefill_writes condition
+                if first_writer(t.rank.tp_rank, tp_p, tp_d) or t.write_aux:  # the prefill_writes condition
                     per_stage[t.rank.pp_rank].append(t)
             # and the first writer is never a dummy
             for t in plan.targets:
-                local = types.SimpleNamespace(tp_size=tp_p, engine_rank=t.rank.tp_rank)
-                if t.is_dummy and first_writer(local, reg):
+                if t.is_dummy and first_writer(t.rank.tp_rank, tp_p, tp_d):
                     bad.append(((tp_p, tp_d, h, mla, pp, d), "first writer is a dummy", t.rank.agent_id))
             for p, ws in per_stage.items():
                 if len(ws) != 1:
