@@ -34,7 +34,8 @@ from .report import render, render_scaling
 
 FULL: dict[str, list[str]] = {"throughput": ["--reps", "9"], "small": [], "concurrency": [], "kernels": [], "idle": [],
                               "first_contact": [], "head_slice": [], "sglang": [],
-                              "sglang_poll": [], "scaling": [], "hetero_tp": [], "control": [], "sim": [], "trace": []}
+                              "sglang_poll": [], "scaling": [], "hetero_tp": [], "hetero_tp_mamba": ["--mamba"],
+                              "control": [], "sim": [], "trace": []}
 SMOKE: dict[str, list[str]] = {
     "throughput": ["--sizes-mib", "0.0625", "1", "--reps", "1"],
     "small": ["--pages", "1", "--reps", "5", "--rounds", "1"],
@@ -48,6 +49,8 @@ SMOKE: dict[str, list[str]] = {
     "scaling": ["--rounds", "1", "--lanes", "1", "2", "--pages", "1", "4", "--inflight", "1", "4",
                 "--budget-pages", "16", "--scale", "16"],
     "hetero_tp": ["--rounds", "1", "--layers", "2", "--requests", "4", "--pages", "4", "--inflight", "2"],
+    "hetero_tp_mamba": ["--rounds", "1", "--layers", "2", "--requests", "4", "--pages", "4", "--inflight", "2",
+                        "--mamba"],
     "control": ["--messages", "60", "--rounds", "1"],
     "sim": ["--seeds", "500", "--procs", "1"],
     "trace": ["--rooms", "5"],
@@ -56,6 +59,7 @@ MODULES = {"throughput": bench_throughput, "small": bench_small, "concurrency": 
            "kernels": bench_kernels, "idle": bench_idle, "first_contact": bench_first_contact,
            "head_slice": bench_head_slice, "sglang": bench_sglang,
            "sglang_poll": bench_sglang_poll, "scaling": bench_scaling, "hetero_tp": bench_hetero_tp,
+           "hetero_tp_mamba": bench_hetero_tp,
            "control": bench_control, "sim": bench_sim, "trace": trace_room}
 
 

@@ -20,6 +20,10 @@ cores copying, so a staged write can at best take the equal-TP time plus the gat
 threads (as the rank's two build threads do; the scatter is the same strided copy the other way).
 On a GPU host the gather runs on the GPU and the NIC copies, so the ceiling there is equal TP
 itself.
+
+``--mamba``: a hybrid model, each layer also a mamba state entry (32 heads of 64 x 64 x 2 bytes at
+TP1, split by heads: 256 KiB a request and layer, 8 MiB a request beside its 64 MiB of KV), sent
+with the last chunk; equal TP and TP2 -> TP1 only (results/hetero_tp_mamba.json).
 """
 
 from __future__ import annotations
@@ -51,37 +55,49 @@ CASES = [("TP1 -> TP1", 1, 1, {}), ("TP1 -> TP2, staged", 1, 2, {}),
          ("TP2 -> TP1, per token (decode staging off)", 2, 1, {"decode_staging_bytes": 0})]
 
 
-def _rank(layers: int, pages: int, tp_size: int, tp: int) -> tuple[KVArgs, list[np.ndarray]]:
+MAMBA_HEADS, MAMBA_ROW = 32, 64 * 64 * 2
+"""The ``--mamba`` state: heads per layer at TP1, and bytes of one head's state."""
+
+
+def _rank(layers: int, pages: int, tp_size: int, tp: int, mamba: int = 0) -> tuple[KVArgs, list[np.ndarray]]:
+    """``mamba``: request slots of mamba state (0: none)."""
     heads = HEADS // tp_size
     kv = [np.ones((pages, PAGE_SIZE, heads, HEAD_DIM), dtype=np.uint16) for _ in range(2 * layers)]
+    state: dict[str, Any] = {}
+    if mamba:
+        dim = MAMBA_HEADS // tp_size
+        state = dict(state=[np.ones((mamba, 1, dim, MAMBA_ROW), dtype=np.uint8) for _ in range(layers)],
+                     state_type="mamba", state_dim_per_tensor=[dim] * layers, state_outer=[1] * layers,
+                     state_layer_ids=list(range(layers)))
     args = KVArgs.from_arrays(kv, page_size=PAGE_SIZE, aux=[np.zeros((8, 64), dtype=np.uint8)], engine_rank=tp,
                               tp_size=tp_size, kv_head_num=heads, total_kv_head_num=HEADS,
-                              kv_layer_ids=[layer for _ in range(2) for layer in range(layers)])
+                              kv_layer_ids=[layer for _ in range(2) for layer in range(layers)], **state)
     return args, kv
 
 
 @contextlib.asynccontextmanager
-async def _cluster(layers: int, pages: int, tp_p: int, tp_d: int,
+async def _cluster(layers: int, pages: int, tp_p: int, tp_d: int, mamba: int = 0,
                    **config: Any) -> AsyncIterator[tuple[list[KVManager], list[KVManager], str]]:
     cfg = Config(host_bootstrap=False, **config)
     async with BootstrapServer("127.0.0.1", 0) as server, contextlib.AsyncExitStack() as stack:
-        prefill = [KVManager(Mode.PREFILL, _rank(layers, pages, tp_p, r)[0], bootstrap_addr=server.addr, config=cfg)
-                   for r in range(tp_p)]
-        decode = [KVManager(Mode.DECODE, _rank(layers, pages, tp_d, r)[0], config=cfg) for r in range(tp_d)]
+        prefill = [KVManager(Mode.PREFILL, _rank(layers, pages, tp_p, r, mamba)[0], bootstrap_addr=server.addr,
+                             config=cfg) for r in range(tp_p)]
+        decode = [KVManager(Mode.DECODE, _rank(layers, pages, tp_d, r, mamba)[0], config=cfg) for r in range(tp_d)]
         for m in prefill + decode:
             await stack.enter_async_context(m)
         yield prefill, decode, server.addr
 
 
-async def _room(prefill: list[KVManager], decode: list[KVManager], addr: str, room: int, pages: np.ndarray) -> None:
+async def _room(prefill: list[KVManager], decode: list[KVManager], addr: str, room: int, pages: np.ndarray,
+                state: np.ndarray | None = None) -> None:
     receivers = [d.receiver(addr, room) for d in decode]
     for r in receivers:
-        await r.init(pages, room % 8)
+        await r.init(pages, room % 8, state)
     senders = [p.sender(room) for p in prefill]
     for s in senders:
         await s.wait_ready()
         s.init(len(pages), room % 8)
-        await s.send(pages)
+        await s.send(pages, state)
     for r in receivers:
         if await r.wait() != KVPoll.Success:
             raise RuntimeError(r.failure_reason)
@@ -117,25 +133,30 @@ def gather_gbps(layers: int, requests: int, pages: int, inflight: int, threads: 
 
 
 async def run_case(tp_p: int, tp_d: int, config: dict[str, Any], layers: int, requests: int, pages: int,
-                   inflight: int) -> dict[str, float]:
-    async with _cluster(layers, inflight * pages, tp_p, tp_d, **config) as (prefill, decode, addr):
+                   inflight: int, mamba: bool = False) -> dict[str, float]:
+    async with _cluster(layers, inflight * pages, tp_p, tp_d, inflight if mamba else 0, **config) as (
+            prefill, decode, addr):
         gate = asyncio.Semaphore(inflight)
         free = list(range(inflight))
+
+        def state(k: int) -> np.ndarray | None:
+            return np.array([k]) if mamba else None
         # First contact and a first pass through the staging area (its pages are touched on first
         # use), outside the timing: the steady state a long-running rank is in.
-        await asyncio.gather(*(_room(prefill, decode, addr, 10_000 + k, np.arange(pages) + k * pages)
+        await asyncio.gather(*(_room(prefill, decode, addr, 10_000 + k, np.arange(pages) + k * pages, state(k))
                                for k in range(inflight)))
 
         async def one(room: int) -> None:
             async with gate:
                 k = free.pop()
-                await _room(prefill, decode, addr, room, np.arange(pages) + k * pages)
+                await _room(prefill, decode, addr, room, np.arange(pages) + k * pages, state(k))
                 free.append(k)
 
         c0, t0 = os.times(), time.perf_counter()
         await asyncio.gather(*(one(room) for room in range(requests)))
         elapsed, c1 = time.perf_counter() - t0, os.times()
     nbytes = requests * pages * 2 * layers * PAGE_SIZE * HEADS * HEAD_DIM * 2
+    nbytes += requests * layers * MAMBA_HEADS * MAMBA_ROW if mamba else 0
     cpu = c1.user + c1.system - c0.user - c0.system
     return {"gbps": nbytes / elapsed / 1e9, "cpu_s_per_gb": cpu / (nbytes / 1e9)}
 
@@ -147,23 +168,27 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--pages", type=int, default=32)
     parser.add_argument("--inflight", type=int, default=4)
+    parser.add_argument("--mamba", action="store_true", help="a hybrid model with mamba state (see above)")
     args = parser.parse_args(argv)
-    print(f"Heterogeneous TP, {args.requests} x {args.pages} pages, {args.inflight} in flight, same bytes:", flush=True)
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in CASES}
+    cases = [c for c in CASES if c[1] >= c[2]] if args.mamba else CASES
+    print(f"Heterogeneous TP, {args.requests} x {args.pages} pages, {args.inflight} in flight, same bytes"
+          f"{', mamba state' if args.mamba else ''}:", flush=True)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in cases}
     gathers: list[float] = []
     for r in range(args.rounds):
         gathers.append(gather_gbps(args.layers, args.requests, args.pages, args.inflight))
         print(f"  round {r + 1} gather of the same slices on two threads: {gathers[-1]:5.2f} GB/s", flush=True)
-        for name, tp_p, tp_d, config in (CASES if r % 2 == 0 else CASES[::-1]):
-            run = asyncio.run(run_case(tp_p, tp_d, config, args.layers, args.requests, args.pages, args.inflight))
+        for name, tp_p, tp_d, config in (cases if r % 2 == 0 else cases[::-1]):
+            run = asyncio.run(run_case(tp_p, tp_d, config, args.layers, args.requests, args.pages, args.inflight,
+                                       args.mamba))
             runs[name].append(run)
             print(f"  round {r + 1} {name:38s}: {run['gbps']:5.2f} GB/s, {run['cpu_s_per_gb']:.2f} CPU s/GB",
                   flush=True)
-    equal = statistics.median(x["gbps"] for x in runs[CASES[0][0]])
+    equal = statistics.median(x["gbps"] for x in runs[cases[0][0]])
     gather = statistics.median(gathers)
     ceiling = 1 / (1 / equal + 1 / gather)
     rows = []
-    for name, tp_p, tp_d, config in CASES:
+    for name, tp_p, tp_d, config in cases:
         gbps = [x["gbps"] for x in runs[name]]
         staged = config.get("staging_bytes") != 0 if tp_p < tp_d else bool(config.get("decode_staging_bytes"))
         rows.append({"case": name, "tp_prefill": tp_p, "tp_decode": tp_d, "staging": staged,
@@ -176,8 +201,8 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
           f"({ceiling / equal:.2f}x equal TP)", flush=True)
     result = {"question": __doc__.strip().splitlines()[0], "rounds": args.rounds, "requests": args.requests,
               "gather_gbps": gather, "gather_gbps_spread": [min(gathers), max(gathers)],
-              "pages": args.pages, "inflight": args.inflight, "layers": args.layers, "rows": rows}
-    write_result("hetero_tp", result, out_dir)
+              "pages": args.pages, "inflight": args.inflight, "layers": args.layers, "mamba": args.mamba, "rows": rows}
+    write_result("hetero_tp_mamba" if args.mamba else "hetero_tp", result, out_dir)
     return result
 
 

@@ -119,16 +119,17 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
         lines.append(f"| SGLang scheduler loop, {sp['queued']} requests queued: poll() per request per iteration | "
                      f"{a['median_us']:.2f} us median, {a['p99_us']:.2f} us p99 | SGLang's NixlKVSender.poll(): "
                      f"{s['median_us']:.2f} / {s['p99_us']:.2f} us | | <= 5 us |")
-    ht = _load(out, "hetero_tp")
-    if ht:
-        equal = ht["rows"][0]
+    for ht in (_load(out, "hetero_tp"), _load(out, "hetero_tp_mamba")):
+        if not ht:
+            continue
+        equal, model = ht["rows"][0], " (mamba hybrid)" if ht.get("mamba") else ""
         for r in ht["rows"][1:]:
-            lines.append(f"| heterogeneous TP: {r['case']} | {r['gbps']:.2f} GB/s ({r['gbps_spread'][0]:.2f}-"
+            lines.append(f"| heterogeneous TP{model}: {r['case']} | {r['gbps']:.2f} GB/s ({r['gbps_spread'][0]:.2f}-"
                          f"{r['gbps_spread'][1]:.2f}), {r['cpu_s_per_gb']:.2f} CPU s/GB | {equal['case']}: "
                          f"{equal['gbps']:.2f} GB/s, {equal['cpu_s_per_gb']:.2f} CPU s/GB | "
                          f"{r['ratio_vs_equal_tp']:.2f}x | >= 0.8x |")
             if "staged_ceiling_gbps" in r:
-                lines.append(f"| heterogeneous TP: {r['case']}, against this machine's limit for staging | "
+                lines.append(f"| heterogeneous TP{model}: {r['case']}, against this machine's limit for staging | "
                              f"{r['gbps']:.2f} GB/s | equal TP plus a gather (or scatter) of the same slices on two "
                              f"threads ({ht['gather_gbps']:.2f} GB/s): {r['staged_ceiling_gbps']:.2f} GB/s, "
                              f"{r['staged_ceiling_gbps'] / equal['gbps']:.2f}x equal TP | "

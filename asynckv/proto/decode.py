@@ -261,8 +261,7 @@ class DecodeCore(StagingRules, RegistrationRules):
             prog.session = self.registrations[agent_id].session
             part = room.staged.get(agent_id)
             pages = empty if target.is_dummy else room.pages if part is None else part.slots
-            state = empty if target.is_dummy or (part is not None and not self._staged_state_writer(target.rank)) \
-                else room.state_indices
+            state = empty if target.is_dummy else room.state_indices  # (a staged rank's Register names our state)
             self._emit(Send(target.rank.endpoint, TransferInfo(
                 room.room, room.epoch, self.name, agent_id, room.aux_index, plan.required_dst_info_num,
                 target.is_dummy, target.write_aux, room.prefix_len, pages, state)))

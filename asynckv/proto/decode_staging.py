@@ -33,7 +33,6 @@ from .actions import Scatter
 from .core import Core
 from .receiver import ReceiverRoom
 from .states import Event, ReceiverState
-from .topology import first_writer
 
 if TYPE_CHECKING:
     from .bootstrap import PrefillRank
@@ -168,12 +167,6 @@ class StagingRules(Core):
             for rank in ranks:
                 room.staged[rank.agent_id] = part
         return True
-
-    def _staged_state_writer(self, rank: PrefillRank) -> bool:
-        """Whether a rank writing into staging gets the room's state indices. Staged state is NSA, the
-        same on every prefill TP rank, and each staged rank takes itself for our only writer (a decode of
-        its own TP), so only the first rank of those writing into us from each stage gets them."""
-        return first_writer(rank.tp_rank, rank.tp_size, self.kv_args.tp_size)
 
     def _senders_succeeded(self, room: ReceiverRoom, now: float) -> None:
         """Every real sender succeeded: scatter what was staged, else the room has succeeded."""

@@ -1,4 +1,4 @@
-"""Native control protocol v4: message dataclasses and their codec.
+"""Native control protocol v5: message dataclasses and their codec.
 
 Every message is a list of parts::
 
@@ -7,7 +7,8 @@ Every message is a list of parts::
     part 2+  binary fields, in the order the message's schema lists them
 
 and travels as one ZMQ frame (``pack``: each part, then the authentication trailer if any, as a
-u32 LE length and its bytes); versions 1-3 sent the parts as a multipart message.
+u32 LE length and its bytes); versions 1-3 sent the parts as a multipart message. Version 5 added
+``Register.state_tp_size`` and its two companions (the rank a staging area's state belongs to).
 
 Arrays travel as little-endian int32 (``<i4``); opaque bytes (NIXL agent metadata)
 as they are. Decoding validates every field's presence and type and raises
@@ -37,7 +38,7 @@ __all__ = ["MAGIC", "MAX_ROOM", "PROTOCOL_VERSION", "Abort", "Bye", "Message", "
            "pack", "unpack"]
 
 MAGIC = b"AKVP"
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_ROOM = 2**63 - 1
 MAX_FRAMES = 8
 _HEADER = struct.Struct("<4sHH")
@@ -82,7 +83,8 @@ class Register(Message):
         ("kv_head_num", "uint"), ("total_kv_head_num", "uint"), ("state_type", "str"),
         ("state_ptrs", "ints"), ("state_lens", "ints"), ("state_item_lens", "ints"),
         ("state_layer_ids", "ints"), ("state_dims", "ints"), ("state_outer", "ints"),
-        ("agent_metadata", "bytes"),
+        ("agent_metadata", "bytes"), ("state_tp_size", "uint"), ("state_engine_rank", "uint"),
+        ("state_head_num", "uint"),
     )
     decode_id: str
     """Decode NIXL agent name (unique per process lifetime)."""
@@ -126,6 +128,18 @@ class Register(Message):
     state_outer: tuple[int, ...]
     agent_metadata: bytes
     """``nixl_agent.get_agent_metadata()`` of the decode agent (opaque)."""
+    state_tp_size: int = 0
+    """The TP, rank and KV heads the state entries are split by (0: ``tp_size``, ``engine_rank``,
+    ``kv_head_num``). They differ only where the KV pool is a decode staging area's slots, registered
+    as a rank of the prefill's own TP: the state goes straight into the real rank's state."""
+    state_engine_rank: int = 0
+    state_head_num: int = 0
+
+    def state_rank(self) -> tuple[int, int, int]:
+        """(TP size, engine rank, KV heads) of the rank the state entries belong to (``state_tp_size``)."""
+        if self.state_tp_size:
+            return self.state_tp_size, self.state_engine_rank, self.state_head_num
+        return self.tp_size, self.engine_rank, self.kv_head_num
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

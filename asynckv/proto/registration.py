@@ -18,6 +18,9 @@ __all__ = ["INT32_ROWS", "POOL_RATIO", "check_pool_size", "check_registration", 
 
 def check_tp(tp_prefill: int, tp_decode: int) -> None:
     """Either TP size must divide the other: rank mapping (``topology.plan_targets``) needs it."""
+    if min(tp_prefill, tp_decode) < 1:
+        raise LayoutMismatch(f"tp_size mismatch: prefill has {tp_prefill}, decode has {tp_decode}; both must be "
+                             f"at least 1")
     if tp_prefill % tp_decode and tp_decode % tp_prefill:
         raise LayoutMismatch(f"tp_size mismatch: prefill has {tp_prefill}, decode has {tp_decode}; "
                              f"one must divide the other")

@@ -255,7 +255,7 @@ def head_slice(*, tp_prefill: int, tp_decode: int, prefill_rank: int, decode_ran
 
 def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64, U64, U64]:
     """Byte blocks of each mamba state entry (section 4.8: aggregation or scatter)."""
-    tp_p, tp_d = local.tp_size, reg.tp_size
+    tp_p, (tp_d, decode_rank, _) = local.tp_size, reg.state_rank()
     if local.state_dim_per_tensor is None or not reg.state_dims:
         raise LayoutMismatch(f"mamba state across TP sizes (prefill {tp_p}, decode {tp_d}) needs "
                              f"state_dim_per_tensor on both sides")
@@ -272,7 +272,7 @@ def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64
         if dim_s == 0 and dim_d == 0:  # replicated: whole item, written by one sender only
             if item_s != item_d:
                 raise LayoutMismatch(f"mamba replicated state entry {i}: prefill {item_s} bytes, decode {item_d}")
-            lens[row, 0] = item_s if first_writer(local.engine_rank, local.tp_size, reg.tp_size) else 0
+            lens[row, 0] = item_s if first_writer(local.engine_rank, tp_p, tp_d) else 0
             continue
         if dim_s == 0 or dim_d == 0 or item_s % (dim_s * outer) or item_d % (dim_d * outer):
             raise LayoutMismatch(f"mamba state entry {i}: dims {dim_s}/{dim_d} do not divide items {item_s}/{item_d}")
@@ -289,7 +289,7 @@ def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64
             if dim_s != dim_d * (tp_d // tp_p):
                 raise LayoutMismatch(f"mamba state entry {i}: prefill dim {dim_s} != decode dim {dim_d} x "
                                      f"{tp_d // tp_p}")
-            src_start, dst_start, dims = (reg.engine_rank * dim_d) % dim_s, 0, dim_d
+            src_start, dst_start, dims = (decode_rank * dim_d) % dim_s, 0, dim_d
         for o in range(outer):
             src_offs[row, o] = (o * dim_s + src_start) * bpd
             dst_offs[row, o] = (o * dim_d + dst_start) * bpd
@@ -314,19 +314,20 @@ def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
     src, dst = _pair(local_ids, remote_ids, "state")
     items_s = np.asarray(local.state_item_lens, dtype=np.uint64)[src]
     items_d = np.asarray(reg.state_item_lens, dtype=np.uint64)[dst]
-    same_tp = local.tp_size == reg.tp_size
-    if local.state_type == "nsa" or (same_tp and local.state_type in ("swa", "mamba")) or \
+    tp_d, decode_rank, decode_heads = reg.state_rank()  # (the real rank's, where the KV pool is staging slots)
+    check_tp(local.tp_size, tp_d)
+    if local.state_type == "nsa" or (local.tp_size == tp_d and local.state_type in ("swa", "mamba")) or \
             (local.state_type == "swa" and local.is_mla):
         if np.any(items_s != items_d):
             raise LayoutMismatch(f"{local.state_type} state item sizes differ: prefill "
                                  f"{items_s.tolist()[:4]}, decode {items_d.tolist()[:4]}")
         kind = "items" if local.state_type == "mamba" else "pages"
         return StatePlan(kind, src, dst, replicated=local.state_type == "nsa" or local.is_mla,
-                         first=first_writer(local.engine_rank, local.tp_size, reg.tp_size))
+                         first=first_writer(local.engine_rank, local.tp_size, tp_d))
     if local.state_type == "swa":
-        hs = head_slice(tp_prefill=local.tp_size, tp_decode=reg.tp_size, prefill_rank=local.engine_rank,
-                        decode_rank=reg.engine_rank, total_heads=local.total_kv_head_num,
-                        prefill_heads=local.kv_head_num, decode_heads=reg.kv_head_num,
+        hs = head_slice(tp_prefill=local.tp_size, tp_decode=tp_d, prefill_rank=local.engine_rank,
+                        decode_rank=decode_rank, total_heads=local.total_kv_head_num,
+                        prefill_heads=local.kv_head_num, decode_heads=decode_heads,
                         page_size=local.page_size, src_items=items_s, dst_items=items_d, what="SWA")
         return StatePlan("head_slice", src, dst, head_slice=hs)
     return StatePlan("blocks", src, dst, blocks=_mamba_blocks(local, reg, src, dst))

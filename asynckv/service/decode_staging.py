@@ -49,9 +49,9 @@ SCATTER_INLINE_BYTES = 1 << 20
 
 
 def applies(a: KVArgs) -> bool:
-    """Whether a decode rank with these buffers can stage: DRAM KV with heads to slice, and no state
-    whose split depends on TP (mamba blocks, SWA head slices; NSA state is whole pages)."""
-    return a.mem_kind == "DRAM" and not a.is_mla and a.state_type in ("none", "nsa")
+    """Whether a decode rank with these buffers can stage: DRAM KV with heads to slice. (State is not
+    staged: its entries go straight into ours, the Register naming our real rank for them.)"""
+    return a.mem_kind == "DRAM" and not a.is_mla
 
 
 class DecodeStaging:
@@ -113,12 +113,14 @@ class DecodeStaging:
         return self.tp_prefill
 
     def register_fields(self, rank: PrefillRank) -> dict[str, Any]:
-        """Our pool as a decode rank of ``rank``'s TP holding ``rank``'s heads would register it."""
-        tp_prefill, n = self._shape(), np.uint64(self._slots)
+        """Our pool as a decode rank of ``rank``'s TP holding ``rank``'s heads would register it; our state
+        entries as they are, split by our own rank (``state_tp_size``): the prefill writes them in place."""
+        a, tp_prefill, n = self.args, self._shape(), np.uint64(self._slots)
         return {"tp_size": tp_prefill, "engine_rank": rank.tp_rank, "kv_head_num": self._heads(tp_prefill),
                 "kv_ptrs": tuple(int(x) for x in self._bases + np.uint64(self.addr)),
                 "kv_lens": tuple(int(x) for x in self.slot_items * n),
-                "kv_item_lens": tuple(int(x) for x in self.slot_items)}
+                "kv_item_lens": tuple(int(x) for x in self.slot_items),
+                "state_tp_size": a.tp_size, "state_engine_rank": a.engine_rank, "state_head_num": a.kv_head_num}
 
     def slice_of(self, rank: PrefillRank) -> tuple[U64, U64]:
         a, tp_prefill = self.args, self._shape()

@@ -134,6 +134,8 @@ DECODE_STAGED = [
     Layout(4, 2, 8, draft_layers=2), Layout(4, 2, 8, state="mamba"), Layout(2, 2, 4), Layout(1, 2, 4),
     Layout(4, 2, 8, pp_prefill=2, pp_decode=2),
     Layout(4, 1, 8, pp_prefill=4, draft_layers=1), Layout(4, 1, 4, pp_prefill=2, state="nsa"),
+    Layout(4, 1, 8, state="mamba"), Layout(2, 1, 4, pp_prefill=2, state="mamba"), Layout(4, 2, 8, state="swa"),
+    Layout(4, 1, 4, pp_prefill=2, state="swa"),
 ]
 
 
@@ -142,7 +144,8 @@ async def test_decode_staging_for_a_larger_prefill_tp(lay: Layout, monkeypatch: 
     """A decode rank holding more heads than its prefill ranks takes their whole pages into staging
     slots and copies their rows into its pages: the same bytes as per token, every slot given back.
     Prefill and decode PP stage too (each prefill stage writes its own layers' entries into slots of
-    its own); mamba state and equal TP do not (their slices depend on the prefill's split)."""
+    its own); state of every kind goes straight into decode's state, the Register naming decode's real
+    rank for it. Equal TP does not stage."""
     from asynckv.service.decode_staging import DecodeStaging
     copied: list[int] = []
     real = DecodeStaging.scatter
@@ -153,7 +156,6 @@ async def test_decode_staging_for_a_larger_prefill_tp(lay: Layout, monkeypatch: 
         return n
     monkeypatch.setattr(DecodeStaging, "scatter", spy)
     await check_layout(lay, prefix_pages=2 if lay.draft_layers else 0, decode_staging_bytes=8 * 2**20)
-    staged = lay.tp_prefill > lay.tp_decode and lay.state in ("none", "nsa") \
-        and lay.heads // lay.tp_decode > max(1, lay.heads // lay.tp_prefill)
+    staged = lay.tp_prefill > lay.tp_decode and lay.heads // lay.tp_decode > max(1, lay.heads // lay.tp_prefill)
     assert bool(copied) == staged
     assert all(n > 0 for n in copied)  # (entries a rank's stage does not hold are left alone: the bytes say so)

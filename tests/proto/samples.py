@@ -26,7 +26,8 @@ SAMPLES: dict[str, Message] = {
         kv_layer_ids=(0, 0), aux_ptrs=(0x7E0000000000,), aux_lens=(4096,), aux_item_lens=(64,),
         scratch_ptr=0x7D0000000000, scratch_len=4096, kv_head_num=4, total_kv_head_num=8, state_type="mamba",
         state_ptrs=(0x7C0000000000,), state_lens=(65536,), state_item_lens=(1024,), state_layer_ids=(3,),
-        state_dims=(64,), state_outer=(2,), agent_metadata=stub_agent_metadata("0b6f3a52-decode")),
+        state_dims=(64,), state_outer=(2,), agent_metadata=stub_agent_metadata("0b6f3a52-decode"),
+        state_tp_size=2, state_engine_rank=1, state_head_num=4),
     "register_result_ok": RegisterResult(prefill_id="9c1e-prefill", decode_id="0b6f3a52-decode", session=3,
                                          ok=True, reason=""),
     "register_result_refused": RegisterResult(

@@ -207,6 +207,16 @@ def test_aborts_and_answers_from_unknown_decodes_are_bounded_per_room() -> None:
 # -- item 3: registrations ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tp", [0, 3])
+def test_a_register_claiming_tp_0_or_a_tp_not_dividing_ours_is_refused(tp: int) -> None:
+    """TP 0 raised ZeroDivisionError out of the core (the rank-mapping check divides by it)."""
+    rank = Rank()
+    rank.core.kv_args = dataclasses.replace(rank.core.kv_args, tp_size=2)
+    result = rank.register("odd", tp=tp)
+    assert not result.ok and f"decode has {tp}" in result.reason
+    assert rank.connects == 0 and rank.core.peers == {}
+
+
 def test_a_register_claiming_10m_pages_is_refused_before_any_row_is_built() -> None:
     """A ~1 KB Register claiming 10M pages had its 20M destination rows built (+0.70 GB peak)."""
     rank = Rank()

@@ -543,17 +543,28 @@ def _nsa_args(tp: int, rank: int, pp: int = 1, pp_rank: int = 0, heads_total: in
 
 @pytest.mark.parametrize("tp_p, pp", [(2, 1), (4, 1), (8, 1), (4, 2)])
 def test_nsa_state_with_decode_staging_goes_to_one_rank_per_stage(tp_p: int, pp: int) -> None:
-    """A staged rank registered as a decode of its own TP takes itself for our only writer, so it would
-    write the NSA state (the same on every prefill TP rank) along with every other staged rank of its
-    stage: decode sends the room's state indices to the first rank of each stage only. (It sent them to
-    all: ``test_layouts`` counts the state writes end to end.)"""
+    """A staged rank is registered as a decode of its own TP, so on that alone it would take itself for our
+    only writer and write the NSA state (the same on every prefill TP rank) along with every other staged
+    rank of its stage. Its Register names our real rank for the state (``state_tp_size``): every staged
+    rank gets the room's state indices, and exactly one per stage finds itself the first writer.
+    (``test_layouts`` counts the state writes end to end.)"""
     rig = Rig(slots=16, tp_prefill=tp_p, pp_prefill=pp, nsa=True)
     rig.room(1, [0, 1], state=[3, 4])
     sent = infos(rig.register_all())
     assert len(sent) == tp_p * pp and all(rig.core.registrations[a].staged for _, a in sent)
-    with_state = sorted(a for (_, a), m in sent.items() if len(m.dst_state_indices))
-    assert with_state == sorted(["prefill-0", "prefill-s1-0"][:pp])
-    assert all(sent[(1, a)].dst_state_indices.tolist() == [3, 4] for a in with_state)
+    assert all(m.dst_state_indices.tolist() == [3, 4] for m in sent.values())
+    writers: dict[int, list[str]] = {}
+    for rank in rig.inst.ranks.values():
+        reg = rig.registers[rank.agent_id]
+        assert (reg.tp_size, reg.engine_rank, reg.kv_head_num) == (tp_p, rank.tp_rank, HEADS // tp_p)
+        assert reg.state_rank() == (1, 0, HEADS)
+        staged_reg = dataclasses.replace(reg, state_type="nsa", state_ptrs=(0x1000,), state_lens=(PAGES * 64,),
+                                         state_item_lens=(64,), state_layer_ids=(0,), kv_layer_ids=(0, 1, 0, 1))
+        peer = plan_peer(_nsa_args(tp_p, rank.tp_rank, pp=pp, pp_rank=rank.pp_rank), staged_reg)
+        assert peer.whole_pages and peer.state is not None and peer.state.replicated
+        if peer.state.first:
+            writers.setdefault(rank.pp_rank, []).append(rank.agent_id)
+    assert writers == {p: ["prefill-0" if p == 0 else f"prefill-s{p}-0"] for p in range(pp)}
 
 
 def test_nsa_state_without_staging_has_one_writer_per_stage_pp2() -> None:

@@ -135,8 +135,43 @@ def test_tp_difference_plans_head_slices_and_mamba_blocks() -> None:
     assert src_offs.tolist() == [[0, 256]] and dst_offs.tolist() == [[256, 768]] and lens.tolist() == [[256, 256]]
 
 
+def staged_register(**kw: Any) -> Any:
+    """The sample decode (TP2 rank 1, 4 heads) as its staging area registers with prefill TP4 rank 3: a
+    rank of TP4 holding 2 heads, whose state entries are the real rank's (``state_tp_size``)."""
+    return dataclasses.replace(SAMPLES["register"], tp_size=4, engine_rank=3, kv_head_num=2,  # type: ignore[type-var]
+                               kv_item_lens=(16384, 16384), **kw)
+
+
+def test_a_staging_areas_register_gets_whole_pages_and_state_for_the_real_rank() -> None:
+    """KV as whole pages into the slots; mamba state as the same blocks as into the real rank per token
+    (``test_tp_difference_plans_head_slices_and_mamba_blocks``)."""
+    local = local_args(tp_size=4, engine_rank=3, kv_head_num=2, kv_item_lens=[16384] * 2, state_item_lens=[512],
+                       state_dim_per_tensor=[32])
+    plan = plan_peer(local, staged_register())
+    assert plan.whole_pages and plan.state is not None and plan.state.blocks is not None
+    src_offs, dst_offs, lens = plan.state.blocks
+    assert src_offs.tolist() == [[0, 256]] and dst_offs.tolist() == [[256, 768]] and lens.tolist() == [[256, 256]]
+    with pytest.raises(LayoutMismatch, match="mamba state item sizes differ"):  # (taken for a rank of TP4)
+        plan_peer(local, staged_register(state_tp_size=0))
+
+
+def test_a_staging_areas_register_gets_swa_head_slices_for_the_real_rank() -> None:
+    """SWA state pages of the real rank's 4 heads: prefill rank 3's 2 heads go to its heads 2-3."""
+    local = local_args(tp_size=4, engine_rank=3, kv_head_num=2, kv_item_lens=[16384] * 2, state_type="swa",
+                       state_item_lens=[16384], state_dim_per_tensor=None, state_outer=None)
+    plan = plan_peer(local, staged_register(state_type="swa", state_item_lens=(32768,), state_dims=(),
+                                            state_outer=()))
+    assert plan.whole_pages and plan.state is not None and plan.state.head_slice is not None
+    hs = plan.state.head_slice
+    assert hs.src_offs.tolist() == [0] and hs.dst_offs.tolist() == [1024] and hs.nbytes.tolist() == [1024]
+    with pytest.raises(LayoutMismatch, match="kv_head_num inconsistent"):  # the real rank's heads are checked
+        plan_peer(local, staged_register(state_type="swa", state_item_lens=(32768,), state_head_num=2))
+
+
 @pytest.mark.parametrize("patch, needle", [
     ({"page_size": 32}, "page_size mismatch: prefill has 16, decode has 32"),
+    ({"tp_size": 0}, "tp_size mismatch: prefill has 2, decode has 0; both must be at least 1"),
+    ({"state_tp_size": 3}, "tp_size mismatch: prefill has 2, decode has 3"),
     ({"kv_item_lens": (32768, 16384)}, "KV entry 1 item size mismatch: prefill has 32768 bytes per page, "
                                        "decode has 16384"),
     ({"aux_item_lens": (128,)}, "aux buffer 0 row size mismatch"),
