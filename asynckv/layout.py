@@ -150,6 +150,13 @@ class KVArgs:
         return ids if self.is_mla else ids + ids
 
     @property
+    def state_split_by_tp(self) -> bool:
+        """Each TP rank holds a slice of the state of its own (mamba entries with a sliced dimension):
+        ranks that replicate KV heads still differ in it."""
+        dims = self.state_dim_per_tensor
+        return self.state_type == "mamba" and bool(self.state_data_ptrs) and (dims is None or any(dims))
+
+    @property
     def num_state_slots(self) -> int:
         """Slots (mamba) or pages (swa/nsa) addressable in every state entry."""
         if not self.state_data_ptrs:

@@ -221,7 +221,7 @@ class DecodeCore(StagingRules, RegistrationRules):
             self.fail(room, exc, now)
             return
         room.plan = plan
-        room.ranks = {t.rank.agent_id: RankProgress(t.rank, t.is_dummy) for t in plan.targets}
+        room.ranks = {t.rank.agent_id: RankProgress(t.rank, not t.reports) for t in plan.targets}
         for rank in plan.ranks:
             reg = self._ensure_registration(rank, room.addr, now)
             if not reg.registered:
@@ -236,7 +236,8 @@ class DecodeCore(StagingRules, RegistrationRules):
             return cached[1]
         a = self.kv_args
         plan = plan_targets(instance, room=room, tp_size=a.tp_size, engine_rank=a.engine_rank, pp_size=a.pp_size,
-                            pp_rank=a.pp_rank, is_mla=a.is_mla, total_kv_heads=a.total_kv_head_num)
+                            pp_rank=a.pp_rank, is_mla=a.is_mla, total_kv_heads=a.total_kv_head_num,
+                            split_state=a.state_split_by_tp)
         if len(self._plans) > 1024:
             self._plans.clear()
         self._plans[key] = (instance, plan)
@@ -261,7 +262,7 @@ class DecodeCore(StagingRules, RegistrationRules):
             prog.session = self.registrations[agent_id].session
             part = room.staged.get(agent_id)
             pages = empty if target.is_dummy else room.pages if part is None else part.slots
-            state = empty if target.is_dummy else room.state_indices  # (a staged rank's Register names our state)
+            state = room.state_indices if target.reports else empty  # (a staged rank's Register names our state)
             self._emit(Send(target.rank.endpoint, TransferInfo(
                 room.room, room.epoch, self.name, agent_id, room.aux_index, plan.required_dst_info_num,
                 target.is_dummy, target.write_aux, room.prefix_len, pages, state)))

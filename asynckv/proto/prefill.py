@@ -275,7 +275,7 @@ class PrefillCore(DestinationRules, PeerRules, WriteRules):
         room.move(Event.WRITES_LANDED)
         room.finished = now
         for dest in room.destinations.values():  # dummies report failures only: decode counts real senders
-            if not dest.info.is_dummy:
+            if not dest.info.is_dummy or len(dest.info.dst_state_indices):  # (and dummies writing their state)
                 self._status(dest.peer, room.room, dest.epoch, True, "")
         self._emit(Finished(room))
 

@@ -121,7 +121,11 @@ class WriteRules(Core):
         n = len(pages)
         for dest in room.destinations.values():
             info = dest.info
-            if info.is_dummy:
+            if info.is_dummy and not len(info.dst_state_indices):
+                continue
+            if info.is_dummy:  # (a dummy for the KV with a slice of split state of its own: that alone)
+                if is_last:
+                    writes += self._state_write(room, dest, state)
                 continue
             if n:
                 writes.append((dest, "kv", pages, info.dst_pages[start:start + n].astype(np.int64),
@@ -135,19 +139,23 @@ class WriteRules(Core):
                 else:
                     writes.append((dest, "aux", np.array([room.aux_index], dtype=np.int64),
                                    np.array([info.aux_index], dtype=np.int64), self.aux_bytes, None))
-            plan = dest.peer.plan.state
-            # State every TP rank of a stage holds goes from one rank per stage: the aux writer is one on
-            # the last stage only (and every real rank on SGLang's wire), so each stage's first rank too.
-            if plan is None or len(info.dst_state_indices) == 0 or \
-                    (plan.replicated and not (plan.first or info.write_aux)):
-                continue
-            if state is None or len(state) != len(info.dst_state_indices):
-                got = "none" if state is None else len(state)
-                raise InvalidArgument(f"room {room.room}: decode expects {len(info.dst_state_indices)} state "
-                                      f"indices, the last chunk carried {got}")
-            writes.append((dest, "state", state, info.dst_state_indices.astype(np.int64),
-                           len(state) * self.state_bytes, None))
+            writes += self._state_write(room, dest, state)
         return writes
+
+    def _state_write(self, room: SenderRoom, dest: Destination, state: I64 | None) -> list[WriteSpec]:
+        """The state write of the last chunk into one destination, if it takes one from this rank."""
+        info, plan = dest.info, dest.peer.plan.state
+        # State every TP rank of a stage holds goes from one rank per stage: the aux writer is one on
+        # the last stage only (and every real rank on SGLang's wire), so each stage's first rank too.
+        if plan is None or len(info.dst_state_indices) == 0 or \
+                (plan.replicated and not (plan.first or info.write_aux)):
+            return []
+        if state is None or len(state) != len(info.dst_state_indices):
+            got = "none" if state is None else len(state)
+            raise InvalidArgument(f"room {room.room}: decode expects {len(info.dst_state_indices)} state "
+                                  f"indices, the last chunk carried {got}")
+        return [(dest, "state", state, info.dst_state_indices.astype(np.int64), len(state) * self.state_bytes,
+                 None)]
 
     def _pump_queue(self) -> None:
         """Post queued writes, oldest first, while the in-flight byte budget allows (a write larger

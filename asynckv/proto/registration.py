@@ -75,6 +75,11 @@ def check_registration(local: KVArgs, reg: Register) -> None:
         raise LayoutMismatch("decode registration: aux_ptrs/aux_lens/aux_item_lens lengths differ")
     if not len(reg.state_lens) == len(reg.state_item_lens) == len(reg.state_ptrs):
         raise LayoutMismatch("decode registration: state_ptrs/state_lens/state_item_lens lengths differ")
+    for name in ("state_layer_ids", "state_dims", "state_outer"):  # (each optional: empty, or one per entry)
+        if len(getattr(reg, name)) not in (0, len(reg.state_ptrs)):
+            raise LayoutMismatch(f"decode registration: {len(getattr(reg, name))} {name} for "
+                                 f"{len(reg.state_ptrs)} state entries")
+    _check_state_rank(local, reg)
     for i, (ours_item, theirs_item) in enumerate(zip(local.aux_item_lens, reg.aux_item_lens, strict=True)):
         if ours_item != theirs_item:
             raise LayoutMismatch(f"aux buffer {i} row size mismatch: prefill has {ours_item} bytes, "
@@ -86,3 +91,18 @@ def check_registration(local: KVArgs, reg: Register) -> None:
                 raise LayoutMismatch(f"decode {what} entry {i}: item_len {item} vs data_len {length}")
     if reg.mem_kind not in ("DRAM", "VRAM"):
         raise LayoutMismatch(f"decode mem_kind must be DRAM or VRAM, got {reg.mem_kind!r}")
+
+
+def _check_state_rank(local: KVArgs, reg: Register) -> None:
+    """The rank a staging area's state belongs to (``Register.state_tp_size``) must be a rank of a TP we
+    can pair with, holding the heads that TP gives a rank."""
+    if not reg.state_tp_size:
+        return
+    tp, rank, heads = reg.state_rank()
+    check_tp(local.tp_size, tp)
+    if rank >= tp:
+        raise LayoutMismatch(f"decode registration: state_engine_rank {rank} is not a rank of state_tp_size {tp}")
+    expected = max(1, local.total_kv_head_num // tp)
+    if not local.is_mla and heads != expected:
+        raise LayoutMismatch(f"decode registration: state_head_num {heads} at state_tp_size {tp}, expected {expected} "
+                             f"({local.total_kv_head_num} KV heads in all)")

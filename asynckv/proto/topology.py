@@ -86,9 +86,18 @@ class Target:
 
     rank: PrefillRank
     is_dummy: bool
-    """Takes part (so its counts close) but writes nothing and reports nothing."""
+    """Takes part (so its counts close) but writes no KV: another rank holds the same heads (or the
+    latent, MLA). Unless ``state_only``, it writes nothing and reports nothing."""
     write_aux: bool
     """The one sender that writes this destination's aux row (and replicated state)."""
+    state_only: bool = False
+    """A dummy that still holds a slice of the state of its own (mamba state split by TP, where
+    several ranks replicate the KV heads): it gets the state indices, writes its slice, and reports."""
+
+    @property
+    def reports(self) -> bool:
+        """It writes into the room and reports its outcome."""
+        return not self.is_dummy or self.state_only
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,7 +113,7 @@ class TargetPlan:
 
     def __post_init__(self) -> None:  # (a plan serves every room of its DP group: computed once, not per room)
         object.__setattr__(self, "ranks", tuple(t.rank for t in self.targets))
-        object.__setattr__(self, "required_responses", sum(1 for t in self.targets if not t.is_dummy))
+        object.__setattr__(self, "required_responses", sum(1 for t in self.targets if t.reports))
 
 
 def check_compatible(instance: PrefillInstance, *, page_size: int, kv_dtype: str, is_mla: bool,
@@ -129,8 +138,10 @@ def head_group(rank: int, tp_size: int, total_heads: int) -> int:
 
 def plan_targets(instance: PrefillInstance, *, room: int, tp_size: int, engine_rank: int,
                  pp_size: int = 1, pp_rank: int = 0, is_mla: bool = False,
-                 total_kv_heads: int = 1) -> TargetPlan:
-    """Resolve the target ranks of one room (the DP group is ``room % dp_size``)."""
+                 total_kv_heads: int = 1, split_state: bool = False) -> TargetPlan:
+    """Resolve the target ranks of one room (the DP group is ``room % dp_size``). ``split_state``: the
+    decode has state split by TP (mamba), so every rank holds a slice of its own: a rank that
+    replicates another's KV heads is still a dummy for the KV, but writes its state (``state_only``)."""
     tp_p, tp_d = instance.tp_size, tp_size
     check_tp(tp_p, tp_d)
     if pp_size == instance.pp_size:
@@ -164,7 +175,9 @@ def plan_targets(instance: PrefillInstance, *, room: int, tp_size: int, engine_r
             rank = instance.ranks.get((dp, tp, pp))
             if rank is None:
                 raise RemoteProtocolError(f"prefill rank dp={dp} tp={tp} pp={pp} is not registered")
-            targets.append(Target(rank, is_dummy=tp not in real, write_aux=(tp, pp) == (aux_tp, aux_pp)))
+            dummy = tp not in real
+            targets.append(Target(rank, is_dummy=dummy, write_aux=(tp, pp) == (aux_tp, aux_pp),
+                                  state_only=dummy and split_state))
     return TargetPlan(tuple(targets), required_dst)
 
 

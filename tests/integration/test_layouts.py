@@ -52,7 +52,7 @@ async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2, **con
             dst, state_dst = await run_room(lay, prefill, decode, addr, room * 1000 + 7, 7, rng,
                                             prefix_pages=prefix_pages)
             check_decode(lay, prefill, decode, room * 1000 + 7, 7, dst, state_dst, prefix_pages=prefix_pages)
-        if lay.state == "nsa" or (lay.mla and lay.state != "none"):  # the same on every TP rank: one writer a stage
+        if lay.state == "nsa" or (lay.mla and lay.state == "swa"):  # the same on every TP rank: one writer a stage
             posts = sum(r.mgr._svc.core.stats["state_posts"] for r in prefill)  # type: ignore[union-attr]
             stages = lay.pp_prefill if lay.pp_decode == 1 else 1
             assert posts == rooms * len(decode) * stages, f"{posts} state writes for {rooms} rooms"
@@ -87,6 +87,9 @@ async def test_layout_full_matrix(lay: Layout) -> None:
     # each stage holds its own layers' entries.
     Layout(4, 1, 4, pp_prefill=2, state="nsa"), Layout(2, 2, 4, pp_prefill=2, pp_decode=2, state="nsa"),
     Layout(2, 1, 1, mla=True, pp_prefill=2, state="nsa"), Layout(2, 4, 1, mla=True, pp_prefill=2, state="swa"),
+    # Prefill ranks replicating KV heads (TP > heads) are dummies for the KV, but each holds its own slice of
+    # split mamba state: they write it and report (a quarter of every entry was never written before).
+    Layout(4, 1, 2, state="mamba"), Layout(4, 2, 2, state="mamba"), Layout(4, 1, 1, mla=True, state="mamba"),
 ], ids=layout_id)
 async def test_hybrid_state(lay: Layout) -> None:
     await check_layout(lay)
@@ -135,7 +138,8 @@ DECODE_STAGED = [
     Layout(4, 2, 8, pp_prefill=2, pp_decode=2),
     Layout(4, 1, 8, pp_prefill=4, draft_layers=1), Layout(4, 1, 4, pp_prefill=2, state="nsa"),
     Layout(4, 1, 8, state="mamba"), Layout(2, 1, 4, pp_prefill=2, state="mamba"), Layout(4, 2, 8, state="swa"),
-    Layout(4, 1, 4, pp_prefill=2, state="swa"),
+    Layout(4, 1, 4, pp_prefill=2, state="swa"), Layout(4, 1, 2, state="mamba"), Layout(8, 1, 8, state="mamba"),
+    Layout(8, 2, 8, pp_prefill=2, state="swa"), Layout(8, 1, 8, pp_prefill=4, state="nsa"),
 ]
 
 

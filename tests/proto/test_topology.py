@@ -46,6 +46,16 @@ def test_mha_rank_mapping(tp_p: int, tp_d: int, rank: int, want: list[int], dumm
     assert sum(t.write_aux for t in plan.targets) == 1
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_ranks_replicating_kv_heads_still_write_split_state(split: bool) -> None:
+    """Prefill TP4 over 2 KV heads into decode TP1: ranks 1 and 3 hold the heads of 0 and 2 (dummies for the
+    KV), but with mamba state split by TP each holds a quarter of it: they write that and report."""
+    plan = plan_targets(instance(tp_size=4), room=0, tp_size=1, engine_rank=0, total_kv_heads=2, split_state=split)
+    assert [(t.rank.tp_rank, t.is_dummy, t.state_only) for t in plan.targets] == [
+        (0, False, False), (1, True, split), (2, False, False), (3, True, split)]
+    assert plan.required_responses == (4 if split else 2)
+
+
 def test_mla_with_fewer_decode_ranks_has_one_real_sender() -> None:
     plan = plan_targets(instance(tp_size=4, is_mla=True), room=0, tp_size=1, engine_rank=0, is_mla=True)
     assert [(t.rank.tp_rank, t.is_dummy, t.write_aux) for t in plan.targets] == [
@@ -164,7 +174,7 @@ def test_a_staging_areas_register_gets_swa_head_slices_for_the_real_rank() -> No
     assert plan.whole_pages and plan.state is not None and plan.state.head_slice is not None
     hs = plan.state.head_slice
     assert hs.src_offs.tolist() == [0] and hs.dst_offs.tolist() == [1024] and hs.nbytes.tolist() == [1024]
-    with pytest.raises(LayoutMismatch, match="kv_head_num inconsistent"):  # the real rank's heads are checked
+    with pytest.raises(LayoutMismatch, match="state_head_num 2 at state_tp_size 2, expected 4"):  # the real rank's
         plan_peer(local, staged_register(state_type="swa", state_item_lens=(32768,), state_head_num=2))
 
 
