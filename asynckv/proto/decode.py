@@ -221,7 +221,9 @@ class DecodeCore(StagingRules, RegistrationRules):
             self.fail(room, exc, now)
             return
         room.plan = plan
-        room.ranks = {t.rank.agent_id: RankProgress(t.rank, not t.reports) for t in plan.targets}
+        has_state = len(room.state_indices) > 0  # (state-only ranks take part as dummies in a room without)
+        room.ranks = {t.rank.agent_id: RankProgress(t.rank, t.is_dummy and not (t.state_only and has_state))
+                      for t in plan.targets}
         for rank in plan.ranks:
             reg = self._ensure_registration(rank, room.addr, now)
             if not reg.registered:
@@ -262,7 +264,7 @@ class DecodeCore(StagingRules, RegistrationRules):
             prog.session = self.registrations[agent_id].session
             part = room.staged.get(agent_id)
             pages = empty if target.is_dummy else room.pages if part is None else part.slots
-            state = room.state_indices if target.reports else empty  # (a staged rank's Register names our state)
+            state = empty if prog.dummy else room.state_indices  # (a staged rank's Register names our state)
             self._emit(Send(target.rank.endpoint, TransferInfo(
                 room.room, room.epoch, self.name, agent_id, room.aux_index, plan.required_dst_info_num,
                 target.is_dummy, target.write_aux, room.prefix_len, pages, state)))
@@ -373,7 +375,7 @@ class DecodeCore(StagingRules, RegistrationRules):
             self.fail(room, TransferFailed(f"prefill rank {msg.sender_rank}: {msg.reason}"), now)
         elif room.state is ReceiverState.WAITING and room.plan is not None:
             room.responses.add(msg.prefill_id)
-            if len(room.responses) >= room.plan.required_responses:
+            if len(room.responses) >= room.required_responses:
                 self._senders_succeeded(room, now)
         self._maybe_fenced(room, now)
 

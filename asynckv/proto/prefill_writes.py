@@ -121,9 +121,7 @@ class WriteRules(Core):
         n = len(pages)
         for dest in room.destinations.values():
             info = dest.info
-            if info.is_dummy and not len(info.dst_state_indices):
-                continue
-            if info.is_dummy:  # (a dummy for the KV with a slice of split state of its own: that alone)
+            if info.is_dummy:  # no KV; one with state indices holds a slice of split state of its own: that alone
                 if is_last:
                     writes += self._state_write(room, dest, state)
                 continue

@@ -85,8 +85,13 @@ class ReceiverRoom(Outcome):
     def move(self, event: Event) -> None:
         self.state = transition(RECEIVER_TRANSITIONS, self.state, event)
 
+    @property
+    def required_responses(self) -> int:
+        """Senders whose success the room waits for: its plan's, less state-only ranks when it has no state."""
+        return sum(not p.dummy for p in self.ranks.values())
+
     def __repr__(self) -> str:
-        need = self.plan.required_responses if self.plan else "?"
+        need = self.required_responses if self.plan else "?"
         return (f"<ReceiverRoom {self.room}#{self.epoch} {self.state.name} {len(self.responses)}/{need} senders "
                 f"from {self.addr}>")
 

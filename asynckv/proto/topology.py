@@ -109,7 +109,8 @@ class TargetPlan:
     """How many decode ranks each target prefill rank waits for."""
     ranks: tuple[PrefillRank, ...] = dataclasses.field(init=False, compare=False, repr=False)
     required_responses: int = dataclasses.field(init=False, compare=False, repr=False)
-    """Distinct real senders that must report success to this decode rank."""
+    """Distinct senders that must report success to this decode rank (state-only ranks count in rooms
+    with state: ``ReceiverRoom.required_responses``)."""
 
     def __post_init__(self) -> None:  # (a plan serves every room of its DP group: computed once, not per room)
         object.__setattr__(self, "ranks", tuple(t.rank for t in self.targets))
@@ -328,7 +329,6 @@ def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
     items_s = np.asarray(local.state_item_lens, dtype=np.uint64)[src]
     items_d = np.asarray(reg.state_item_lens, dtype=np.uint64)[dst]
     tp_d, decode_rank, decode_heads = reg.state_rank()  # (the real rank's, where the KV pool is staging slots)
-    check_tp(local.tp_size, tp_d)
     if local.state_type == "nsa" or (local.tp_size == tp_d and local.state_type in ("swa", "mamba")) or \
             (local.state_type == "swa" and local.is_mla):
         if np.any(items_s != items_d):

@@ -115,7 +115,7 @@ class KVReceiver:
             await self.abort("receiver context exited before completion")
 
     def __repr__(self) -> str:
-        need = self.state.plan.required_responses if self.state.plan else "?"
+        need = self.state.required_responses if self.state.plan else "?"
         return (f"<KVReceiver room={self.room} {self.poll().name} {len(self.state.responses)}/{need} senders "
                 f"from {self.bootstrap_addr}>")
 

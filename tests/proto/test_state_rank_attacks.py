@@ -287,8 +287,9 @@ def wire(msg: Any) -> Any:
     return decode([pack(encode(msg))])
 
 
-def transfer(geo: Geo, d_rank: int, staged: bool, d_stage: int = 0, seed: int = 1) -> Outcome:
-    """One room from every prefill rank the decode rank (``d_rank`` of stage ``d_stage``) maps to, sans IO."""
+def transfer(geo: Geo, d_rank: int, staged: bool, d_stage: int = 0, seed: int = 1, with_state: bool = True) -> Outcome:
+    """One room from every prefill rank the decode rank (``d_rank`` of stage ``d_stage``) maps to, sans IO
+    (``with_state`` False: a room of a hybrid model that carries no state indices)."""
     model, mem, now = Model(geo, seed), Memory(), 0.0
     dec = build(geo, geo.tp_d, d_rank, geo.pp_d, d_stage)
     for e, arr in enumerate(dec.kv):
@@ -326,7 +327,7 @@ def transfer(geo: Geo, d_rank: int, staged: bool, d_stage: int = 0, seed: int = 
 
     dcore.topology_fetched(ADDR, inst, now)
     room = dcore.open_receiver(ADDR, ROOM, now)
-    state_dst = STATE_DST[geo.state] if geo.state != "none" else None
+    state_dst = STATE_DST[geo.state] if geo.state != "none" and with_state else None
     dcore.receiver_init(room, DST, -1, state_dst, 0, now)
     senders = {}
     for agent, (core, _) in pcores.items():
@@ -502,7 +503,7 @@ def test_state_of_an_mla_model_is_written_once_per_stage(state: str) -> None:
 def test_mamba_state_of_prefill_ranks_replicating_kv_heads_is_written(geo: Geo, staged: bool) -> None:
     """Prefill TP above the KV head count: ranks holding the same heads are dummies for the KV (``plan_targets``),
     but each holds its own slice of every sliced mamba entry (split by TP, not by heads). Those slices must
-    still reach the decode (``tests/integration/test_state_rank_e2e.py`` shows the same over NIXL)."""
+    still reach the decode (``test_layouts.py::test_hybrid_state`` shows the same over NIXL)."""
     d_rank, k = geo.tp_d - 1, geo.tp_p // geo.tp_d
     out = transfer(geo, d_rank, staged)
     assert out.final is ReceiverState.SUCCEEDED and not out.outside  # (the room succeeds all the same)
@@ -518,6 +519,15 @@ def test_mamba_state_of_prefill_ranks_replicating_kv_heads_is_written(geo: Geo, 
     dummies = sorted(int(a.rsplit("-", 1)[1]) for a in out.dummies)
     assert not lost, f"mamba slices of prefill ranks {sorted(lost)} never written (the KV dummies are {dummies})"
     assert not out.wrong and not state_coverage(out)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["per-token", "staged"])
+def test_a_room_without_state_does_not_wait_for_state_only_ranks(staged: bool) -> None:
+    """The ranks replicating KV heads report only where they write state: a room of the same model with no
+    state indices waits for the KV senders alone (it waited for the dummies until its timeout)."""
+    out = transfer(Geo(4, 1, 2, state="mamba"), 0, staged, with_state=False)
+    assert out.final is ReceiverState.SUCCEEDED and not out.state_posts
+    assert all(not len(m.dst_state_indices) for m in out.infos.values())
 
 
 # -- promise 4 (and 1, by plan): state_tp_size 0 is the real rank's own fields; staged plans equal per-token --------
