@@ -144,9 +144,10 @@ class WriteRules(Core):
         """The state write of the last chunk into one destination, if it takes one from this rank."""
         info, plan = dest.info, dest.peer.plan.state
         # State every TP rank of a stage holds goes from one rank per stage: the aux writer is one on
-        # the last stage only (and every real rank on SGLang's wire), so each stage's first rank too.
+        # the last stage only (and every real rank on SGLang's wire), so each stage's first rank too. (A
+        # dummy is never the aux writer: a decode saying so is not believed.)
         if plan is None or len(info.dst_state_indices) == 0 or \
-                (plan.replicated and not (plan.first or info.write_aux)):
+                (plan.replicated and not (plan.first or (info.write_aux and not info.is_dummy))):
             return []
         if state is None or len(state) != len(info.dst_state_indices):
             got = "none" if state is None else len(state)
