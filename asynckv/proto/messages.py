@@ -7,8 +7,7 @@ Every message is a list of parts::
     part 2+  binary fields, in the order the message's schema lists them
 
 and travels as one ZMQ frame (``pack``: each part, then the authentication trailer if any, as a
-u32 LE length and its bytes); versions 1-3 sent the parts as a multipart message. Version 5 added
-``Register.state_tp_size`` and its two companions (the rank a staging area's state belongs to).
+u32 LE length and its bytes); versions 1-3 sent the parts as a multipart message (5 added ``state_tp_size``).
 
 Arrays travel as little-endian int32 (``<i4``); opaque bytes (NIXL agent metadata)
 as they are. Decoding validates every field's presence and type and raises
@@ -74,17 +73,14 @@ class Register(Message):
 
     TYPE: ClassVar[int] = 1
     SCHEMA: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("decode_id", "str"), ("prefill_id", "str"), ("session", "uint"), ("lease_ms", "uint"),
-        ("endpoint", "str"), ("engine_rank", "uint"), ("tp_size", "uint"),
-        ("page_size", "uint"), ("kv_dtype", "str"), ("mem_kind", "str"), ("is_mla", "bool"),
-        ("gpu_id", "uint"), ("kv_ptrs", "ints"), ("kv_lens", "ints"), ("kv_item_lens", "ints"),
-        ("kv_layer_ids", "ints"), ("aux_ptrs", "ints"), ("aux_lens", "ints"),
-        ("aux_item_lens", "ints"), ("scratch_ptr", "uint"), ("scratch_len", "uint"),
-        ("kv_head_num", "uint"), ("total_kv_head_num", "uint"), ("state_type", "str"),
-        ("state_ptrs", "ints"), ("state_lens", "ints"), ("state_item_lens", "ints"),
-        ("state_layer_ids", "ints"), ("state_dims", "ints"), ("state_outer", "ints"),
-        ("agent_metadata", "bytes"), ("state_tp_size", "uint"), ("state_engine_rank", "uint"),
-        ("state_head_num", "uint"),
+        ("decode_id", "str"), ("prefill_id", "str"), ("session", "uint"), ("lease_ms", "uint"), ("endpoint", "str"),
+        ("engine_rank", "uint"), ("tp_size", "uint"), ("page_size", "uint"), ("kv_dtype", "str"), ("mem_kind", "str"),
+        ("is_mla", "bool"), ("gpu_id", "uint"), ("kv_ptrs", "ints"), ("kv_lens", "ints"), ("kv_item_lens", "ints"),
+        ("kv_layer_ids", "ints"), ("aux_ptrs", "ints"), ("aux_lens", "ints"), ("aux_item_lens", "ints"),
+        ("scratch_ptr", "uint"), ("scratch_len", "uint"), ("kv_head_num", "uint"), ("total_kv_head_num", "uint"),
+        ("state_type", "str"), ("state_ptrs", "ints"), ("state_lens", "ints"), ("state_item_lens", "ints"),
+        ("state_layer_ids", "ints"), ("state_dims", "ints"), ("state_outer", "ints"), ("agent_metadata", "bytes"),
+        ("state_tp_size", "uint"), ("state_engine_rank", "uint"), ("state_head_num", "uint"),
     )
     decode_id: str
     """Decode NIXL agent name (unique per process lifetime)."""
@@ -129,17 +125,9 @@ class Register(Message):
     agent_metadata: bytes
     """``nixl_agent.get_agent_metadata()`` of the decode agent (opaque)."""
     state_tp_size: int = 0
-    """The TP, rank and KV heads the state entries are split by (0: ``tp_size``, ``engine_rank``,
-    ``kv_head_num``). They differ only where the KV pool is a decode staging area's slots, registered
-    as a rank of the prefill's own TP: the state goes straight into the real rank's state."""
-    state_engine_rank: int = 0
+    """With the next two, the rank the state belongs to, where the KV pool is staging slots (0: this one)."""
+    state_engine_rank: int = 0  # (registration.state_rank reads the three)
     state_head_num: int = 0
-
-    def state_rank(self) -> tuple[int, int, int]:
-        """(TP size, engine rank, KV heads) of the rank the state entries belong to (``state_tp_size``)."""
-        if self.state_tp_size:
-            return self.state_tp_size, self.state_engine_rank, self.state_head_num
-        return self.tp_size, self.engine_rank, self.kv_head_num
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

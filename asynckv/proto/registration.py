@@ -13,7 +13,9 @@ from ..errors import LayoutMismatch, RemoteProtocolError
 from ..layout import KVArgs
 from .messages import Register
 
-__all__ = ["INT32_ROWS", "POOL_RATIO", "check_pool_size", "check_registration", "check_tp", "registered_slots"]
+__all__ = [
+    "INT32_ROWS", "POOL_RATIO", "check_pool_size", "check_registration", "check_tp", "registered_slots", "state_rank",
+]
 
 
 def check_tp(tp_prefill: int, tp_decode: int) -> None:
@@ -93,12 +95,21 @@ def check_registration(local: KVArgs, reg: Register) -> None:
         raise LayoutMismatch(f"decode mem_kind must be DRAM or VRAM, got {reg.mem_kind!r}")
 
 
+def state_rank(reg: Register) -> tuple[int, int, int]:
+    """(TP size, engine rank, KV heads) of the rank a Register's state entries belong to: its own, or where
+    its KV pool is a decode staging area's slots (registered as a rank of the prefill's TP) the real rank's
+    (``Register.state_tp_size``, ``state_engine_rank``, ``state_head_num``)."""
+    if reg.state_tp_size:
+        return reg.state_tp_size, reg.state_engine_rank, reg.state_head_num
+    return reg.tp_size, reg.engine_rank, reg.kv_head_num
+
+
 def _check_state_rank(local: KVArgs, reg: Register) -> None:
     """The rank a staging area's state belongs to (``Register.state_tp_size``) must be a rank of a TP we
     can pair with, holding the heads that TP gives a rank."""
     if not reg.state_tp_size:
         return
-    tp, rank, heads = reg.state_rank()
+    tp, rank, heads = state_rank(reg)
     check_tp(local.tp_size, tp)
     if rank >= tp:
         raise LayoutMismatch(f"decode registration: state_engine_rank {rank} is not a rank of state_tp_size {tp}")

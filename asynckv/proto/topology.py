@@ -29,7 +29,7 @@ from ..layout import KVArgs, entry_keys
 from .bootstrap import PayloadError, PrefillRank
 from .endpoints import transport_of
 from .messages import PROTOCOL_VERSION, Register
-from .registration import check_pool_size, check_registration, check_tp
+from .registration import check_pool_size, check_registration, check_tp, state_rank
 
 __all__ = [
     "HeadSlice",
@@ -269,7 +269,7 @@ def head_slice(*, tp_prefill: int, tp_decode: int, prefill_rank: int, decode_ran
 
 def _mamba_blocks(local: KVArgs, reg: Register, src: I64, dst: I64) -> tuple[U64, U64, U64]:
     """Byte blocks of each mamba state entry (section 4.8: aggregation or scatter)."""
-    tp_p, (tp_d, decode_rank, _) = local.tp_size, reg.state_rank()
+    tp_p, (tp_d, decode_rank, _) = local.tp_size, state_rank(reg)
     if local.state_dim_per_tensor is None or not reg.state_dims:
         raise LayoutMismatch(f"mamba state across TP sizes (prefill {tp_p}, decode {tp_d}) needs "
                              f"state_dim_per_tensor on both sides")
@@ -328,7 +328,7 @@ def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
     src, dst = _pair(local_ids, remote_ids, "state")
     items_s = np.asarray(local.state_item_lens, dtype=np.uint64)[src]
     items_d = np.asarray(reg.state_item_lens, dtype=np.uint64)[dst]
-    tp_d, decode_rank, decode_heads = reg.state_rank()  # (the real rank's, where the KV pool is staging slots)
+    tp_d, decode_rank, decode_heads = state_rank(reg)  # (the real rank's, where the KV pool is staging slots)
     if local.state_type == "nsa" or (local.tp_size == tp_d and local.state_type in ("swa", "mamba")) or \
             (local.state_type == "swa" and local.is_mla):
         if np.any(items_s != items_d):

@@ -19,6 +19,7 @@ from asynckv.layout import KVArgs
 from asynckv.proto import actions as act
 from asynckv.proto.decode_staging import StagedSlice
 from asynckv.proto.messages import Bye, Status
+from asynckv.proto.registration import state_rank
 from asynckv.proto.states import KVPoll, ReceiverState
 from asynckv.proto.topology import PrefillInstance, first_writer, plan_peer, plan_targets, stub_agent_metadata
 from asynckv.service.decode_staging import MARK, DecodeStaging
@@ -557,7 +558,7 @@ def test_nsa_state_with_decode_staging_goes_to_one_rank_per_stage(tp_p: int, pp:
     for rank in rig.inst.ranks.values():
         reg = rig.registers[rank.agent_id]
         assert (reg.tp_size, reg.engine_rank, reg.kv_head_num) == (tp_p, rank.tp_rank, HEADS // tp_p)
-        assert reg.state_rank() == (1, 0, HEADS)
+        assert state_rank(reg) == (1, 0, HEADS)
         staged_reg = dataclasses.replace(reg, state_type="nsa", state_ptrs=(0x1000,), state_lens=(PAGES * 64,),
                                          state_item_lens=(64,), state_layer_ids=(0,), kv_layer_ids=(0, 1, 0, 1))
         peer = plan_peer(_nsa_args(tp_p, rank.tp_rank, pp=pp, pp_rank=rank.pp_rank), staged_reg)

@@ -53,6 +53,7 @@ from asynckv.proto.messages import (
     pack,
 )
 from asynckv.proto.prefill import PrefillCore
+from asynckv.proto.registration import state_rank
 from asynckv.proto.states import ReceiverState
 from asynckv.proto.topology import PeerPlan, PrefillInstance, plan_peer, plan_targets, stub_agent_metadata
 from asynckv.service.decode_staging import DecodeStaging, applies
@@ -402,7 +403,7 @@ def state_coverage(out: Outcome) -> list[str]:
 
 
 def staged_ranks(out: Outcome) -> list[str]:
-    return [a for a, reg in out.registers.items() if reg.tp_size != reg.state_rank()[0]]
+    return [a for a, reg in out.registers.items() if reg.tp_size != state_rank(reg)[0]]
 
 
 # -- promises 1 and 2: staged state lands where per-token state does, once ----------------------------------------
@@ -433,8 +434,8 @@ def _compare(geo: Geo, d_rank: int) -> list[str]:
         bad.append(f"{where}: per-token run staged {staged_ranks(per_token)}")
     for agent in staged_ranks(staged):
         reg = staged.registers[agent]
-        if reg.state_rank() != (geo.tp_d, d_rank, hd) or reg.tp_size != geo.tp_p:
-            bad.append(f"{where}: {agent}'s Register names {reg.state_rank()} for the state, TP {reg.tp_size}")
+        if state_rank(reg) != (geo.tp_d, d_rank, hd) or reg.tp_size != geo.tp_p:
+            bad.append(f"{where}: {agent}'s Register names {state_rank(reg)} for the state, TP {reg.tp_size}")
     if geo.state != "none":
         for agent, info in staged.infos.items():
             want = [] if agent in staged.dummies else STATE_DST[geo.state]
@@ -734,7 +735,7 @@ def test_inconsistent_state_rank_claims_are_refused_naming_the_values(name: str,
     outside the state TP, or a head count other than 8 / 2. Refused with a reason naming the claimed value."""
     local, reg = _staged_hostile(state, **patch)
     _, result = _feed(local, reg)
-    assert not result.ok, f"accepted: {reg.state_rank()} (state {state}, prefill TP4 rank 3)"
+    assert not result.ok, f"accepted: {state_rank(reg)} (state {state}, prefill TP4 rank 3)"
     assert value in result.reason, result.reason
 
 
