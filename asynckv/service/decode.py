@@ -73,6 +73,16 @@ class DecodeService(ReceiverPump):
         self._scatter_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.handlers.update({act.FetchTopology: self._on_fetch, act.Scatter: self._on_scatter})
 
+    def snapshot(self) -> dict[str, Any]:
+        snap = super().snapshot()
+        staging = self.staging
+        if staging is not None:  # (slots of all entries: bytes held by rooms, those waiting for slots)
+            slot = int(staging.slot_items.sum())
+            snap["staging"] = {"capacity_bytes": staging.slots * slot or staging.capacity,
+                               "held_bytes": (staging.slots - staging.free_slots) * slot,
+                               "waiting_rooms": self.core.rooms_waiting_for_slots}
+        return snap
+
     async def instance(self, addr: str, connect: bool = False) -> PrefillInstance:
         """The topology of the prefill at ``addr`` (fetched once, then cached by the core); with
         ``connect``, registration with the ranks this rank's rooms write from starts now."""

@@ -215,6 +215,11 @@ class _LiveCollector(Collector):
                                       labels=["mode", "manager", "reason"])
         healthy = GaugeMetricFamily("asynckv_manager_healthy", "1 while reader, engine thread and timers run",
                                     labels=["mode", "manager"])
+        staging = GaugeMetricFamily("asynckv_staging_bytes", "Staging area bytes (prefill: head-slice gathers; "
+                                    "decode: slots of staged pages), by use: capacity or held",
+                                    labels=["mode", "manager", "use"])
+        waiting = GaugeMetricFamily("asynckv_staging_waiting_rooms", "Decode rooms waiting for free staging slots",
+                                    labels=["mode", "manager"])
         for mgr in managers():
             snap = mgr.snapshot()
             base = [mgr.mode.value, mgr.name[:8]]
@@ -228,7 +233,13 @@ class _LiveCollector(Collector):
             for reason, count in snap["dropped"].items():
                 dropped.add_metric([*base, reason], count)
             healthy.add_metric(base, 1.0 if snap["healthy"] else 0.0)
-        yield from (rooms, peer_up, heard, inflight, dropped, healthy)
+            area = snap.get("staging")
+            if area is not None:
+                staging.add_metric([*base, "capacity"], area["capacity_bytes"])
+                staging.add_metric([*base, "held"], area["held_bytes"])
+                if "waiting_rooms" in area:  # (decode)
+                    waiting.add_metric(base, area["waiting_rooms"])
+        yield from (rooms, peer_up, heard, inflight, dropped, healthy, staging, waiting)
 
 
 REGISTRY.register(_LiveCollector())

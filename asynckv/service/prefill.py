@@ -225,4 +225,7 @@ class PrefillService(Pump):
     def snapshot(self) -> dict[str, Any]:
         snap = self.core.snapshot(self.clock())
         snap["tables"]["building"] = len(self._building)
+        staging = self.builder.staging
+        if staging is not None:
+            snap["staging"] = {"capacity_bytes": staging.capacity, "held_bytes": staging.capacity - staging.free_bytes}
         return snap

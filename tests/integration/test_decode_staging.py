@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
 from asynckv.service.decode_staging import DecodeStaging
+from asynckv.service.metrics import REGISTRY
 from asynckv.testing import FaultInjector, KVPool, fill_pages, inject
 
 from .conftest import CONTROL
@@ -125,6 +127,11 @@ async def test_rooms_queue_for_a_small_area_and_one_larger_than_it_fails_naming_
             receiver = decode.receiver(addr, room)
             receiver.init_nowait([2 * room, 2 * room + 1])  # (init() would wait for the room's turn)
             receivers.append(receiver)
+        for _ in range(500):  # (registration first: then room 1 holds the area and the rest wait)
+            if staging_gauges(decode) == (4 * ITEM, 4 * ITEM, 3.0):
+                break
+            await asyncio.sleep(0.01)
+        assert staging_gauges(decode) == (4 * ITEM, 4 * ITEM, 3.0)  # (the whole area)
 
         async def serve(p: KVManager) -> None:
             for room in range(1, 5):
@@ -144,6 +151,17 @@ async def test_rooms_queue_for_a_small_area_and_one_larger_than_it_fails_naming_
         big = decode.receiver(addr, 9)
         assert await big.init([0, 1, 2]) == KVPoll.Failed and "decode_staging_bytes" in (big.failure_reason or "")
         assert staging.free_slots == staging.slots
+        assert staging_gauges(decode) == (4 * ITEM, 0.0, 0.0)
+
+
+def staging_gauges(decode: KVManager) -> tuple[float, float, float]:
+    """What ``/metrics`` says of the decode's staging area: capacity and held bytes, rooms waiting for slots."""
+    text = generate_latest(REGISTRY).decode()
+    me = f'manager="{decode.name[:8]}"'
+    values = {line.split("{")[0] + ("/" + line.split('use="')[1].split('"')[0] if "use=" in line else ""):
+              float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if me in line and "staging" in line}
+    return (values["asynckv_staging_bytes/capacity"], values["asynckv_staging_bytes/held"],
+            values["asynckv_staging_waiting_rooms"])
 
 
 async def test_a_failing_copy_fails_the_room_only_once_every_copy_of_it_ended(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,8 +60,9 @@ async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2, **con
             assert r.mgr is not None
             assert all(v == 0 for v in r.mgr.room_counts().values())
             staging = getattr(r.mgr._svc, "builder", None) and r.mgr._svc.builder.staging  # type: ignore[union-attr]
-            if staging is not None:  # every run given back, nothing held
+            if staging is not None:  # every run given back, nothing held (and /metrics says so)
                 assert staging.held == 0 and staging.free_bytes == staging.capacity
+                assert r.mgr.snapshot()["staging"] == {"capacity_bytes": staging.capacity, "held_bytes": 0}
             slots = getattr(r.mgr._svc, "staging", None)
             if slots is not None:  # (decode) every staging slot given back
                 assert slots.free_slots == slots.slots
