@@ -58,7 +58,6 @@ class WriteRules(Core):
         a = self.kv_args
         self.page_bytes = int(sum(a.kv_item_lens))
         self.aux_bytes = int(sum(a.aux_item_lens))
-        self.state_bytes = int(sum(a.state_item_lens))
         self.posts: dict[int, tuple[SenderRoom, Destination, int]] = {}
         self.inflight_bytes = 0
         self._queue: collections.deque[Queued] = collections.deque()
@@ -153,8 +152,7 @@ class WriteRules(Core):
             got = "none" if state is None else len(state)
             raise InvalidArgument(f"room {room.room}: decode expects {len(info.dst_state_indices)} state "
                                   f"indices, the last chunk carried {got}")
-        return [(dest, "state", state, info.dst_state_indices.astype(np.int64), len(state) * self.state_bytes,
-                 None)]
+        return [(dest, "state", state, info.dst_state_indices.astype(np.int64), len(state) * plan.nbytes, None)]
 
     def _pump_queue(self) -> None:
         """Post queued writes, oldest first, while the in-flight byte budget allows (a write larger

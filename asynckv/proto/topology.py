@@ -206,6 +206,8 @@ class StatePlan:
     """The same bytes are on every prefill TP rank of a stage: one of them sends them (``first``)."""
     first: bool = True
     """This prefill rank is the first of its stage's ranks writing into that decode rank (``first_writer``)."""
+    nbytes: int = 0
+    """Bytes sent per state index (slot or page): what the in-flight budget and the metrics count."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -336,14 +338,15 @@ def _state_plan(local: KVArgs, reg: Register) -> StatePlan | None:
                                  f"{items_s.tolist()[:4]}, decode {items_d.tolist()[:4]}")
         kind = "items" if local.state_type == "mamba" else "pages"
         return StatePlan(kind, src, dst, replicated=local.state_type == "nsa" or local.is_mla,
-                         first=first_writer(local.engine_rank, local.tp_size, tp_d))
+                         first=first_writer(local.engine_rank, local.tp_size, tp_d), nbytes=int(items_s.sum()))
     if local.state_type == "swa":
         hs = head_slice(tp_prefill=local.tp_size, tp_decode=tp_d, prefill_rank=local.engine_rank,
                         decode_rank=decode_rank, total_heads=local.total_kv_head_num,
                         prefill_heads=local.kv_head_num, decode_heads=decode_heads,
                         page_size=local.page_size, src_items=items_s, dst_items=items_d, what="SWA")
-        return StatePlan("head_slice", src, dst, head_slice=hs)
-    return StatePlan("blocks", src, dst, blocks=_mamba_blocks(local, reg, src, dst))
+        return StatePlan("head_slice", src, dst, head_slice=hs, nbytes=int(hs.nbytes.sum()) * local.page_size)
+    blocks = _mamba_blocks(local, reg, src, dst)
+    return StatePlan("blocks", src, dst, blocks=blocks, nbytes=int(blocks[2].sum()))
 
 
 def plan_peer(local: KVArgs, reg: Register, *, max_rows: int | None = None) -> PeerPlan:

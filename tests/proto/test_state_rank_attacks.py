@@ -281,6 +281,8 @@ class Outcome:
     wrong: list[str]
     dummies: set[str]
     stage_of: dict[str, int]
+    state_bytes: Counter[str] = dataclasses.field(default_factory=Counter)
+    """State bytes each prefill core counted (its ``state_bytes`` stat: the metrics and the in-flight budget)."""
 
 
 def wire(msg: Any) -> Any:
@@ -380,6 +382,7 @@ def transfer(geo: Geo, d_rank: int, staged: bool, d_stage: int = 0, seed: int = 
         core.send_chunk(senders[agent], SRC[:2], None, now)
         core.send_chunk(senders[agent], SRC[2:], STATE_SRC[geo.state] if state_dst else None, now)
     pump()
+    out.state_bytes.update({agent: core.stats["state_bytes"] for agent, (core, _) in pcores.items()})
     out.final = room.state
     out.wrong = check_decode(model, dec)
     return out
@@ -520,6 +523,19 @@ def test_mamba_state_of_prefill_ranks_replicating_kv_heads_is_written(geo: Geo, 
     dummies = sorted(int(a.rsplit("-", 1)[1]) for a in out.dummies)
     assert not lost, f"mamba slices of prefill ranks {sorted(lost)} never written (the KV dummies are {dummies})"
     assert not out.wrong and not state_coverage(out)
+
+
+@pytest.mark.parametrize("geo", [Geo(4, 1, 2, state="mamba"), Geo(4, 2, 8, state="mamba"), Geo(4, 1, 4, state="swa"),
+                                 Geo(4, 1, 4, state="nsa"), Geo(4, 1, 1, state="mamba", mla=True)], ids=str)
+def test_each_rank_counts_the_state_bytes_it_sends(geo: Geo) -> None:
+    """The state bytes a prefill rank counts (metrics, in-flight budget) are those its descriptors move: its
+    share of split state, none of replicated state it does not send (it counted every local state byte)."""
+    for staged in ([False, True] if not geo.mla else [False]):
+        out = transfer(geo, 0, staged)
+        moved: Counter[str] = Counter()
+        for agent, *_, n in out.state_writes:
+            moved[agent] += n
+        assert +out.state_bytes == +moved, (staged, dict(out.state_bytes), dict(moved))
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["per-token", "staged"])

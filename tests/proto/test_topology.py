@@ -161,6 +161,7 @@ def test_a_staging_areas_register_gets_whole_pages_and_state_for_the_real_rank()
     assert plan.whole_pages and plan.state is not None and plan.state.blocks is not None
     src_offs, dst_offs, lens = plan.state.blocks
     assert src_offs.tolist() == [[0, 256]] and dst_offs.tolist() == [[256, 768]] and lens.tolist() == [[256, 256]]
+    assert plan.state.nbytes == 512  # (per slot: the blocks' bytes)
     with pytest.raises(LayoutMismatch, match="mamba state item sizes differ"):  # (taken for a rank of TP4)
         plan_peer(local, staged_register(state_tp_size=0))
 
@@ -174,6 +175,7 @@ def test_a_staging_areas_register_gets_swa_head_slices_for_the_real_rank() -> No
     assert plan.whole_pages and plan.state is not None and plan.state.head_slice is not None
     hs = plan.state.head_slice
     assert hs.src_offs.tolist() == [0] and hs.dst_offs.tolist() == [1024] and hs.nbytes.tolist() == [1024]
+    assert plan.state.nbytes == 16 * 1024  # (per page: 16 token rows of 2 heads)
     with pytest.raises(LayoutMismatch, match="state_head_num 2 at state_tp_size 2, expected 4"):  # the real rank's
         plan_peer(local, staged_register(state_type="swa", state_item_lens=(32768,), state_head_num=2))
 
