@@ -2,7 +2,8 @@
 
 Real managers (one NIXL agent each, several per process), real ZMQ and bootstrap server.
 The default run covers a representative subset; the whole matrix (prefill TP x decode TP
-in {1,2,4,8}, H in {1,2,4,8}, prefill PP in {1,2}, MHA and MLA) is marked slow.
+in {1,2,4,8}, H in {1,2,4,8}, prefill PP in {1,2}, MHA and MLA) is marked slow, and so is the same
+with every hybrid state kind (up to 12 ranks), per token and staged.
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ def full_matrix() -> list[Layout]:
     mla = itertools.product(TPS, TPS, (1, 2))
     layouts = [Layout(tp_p, tp_d, h, pp_prefill=pp) for tp_p, tp_d, h, pp in mha]
     layouts += [Layout(tp_p, tp_d, 1, pp_prefill=pp, mla=True) for tp_p, tp_d, pp in mla]
+    return layouts
+
+
+def state_matrix() -> list[Layout]:
+    """Every state kind over prefill x decode TP (at most 12 ranks) x heads x prefill PP, and MLA: where the
+    state's split and the KV heads' replication differ (prefill TP above the head count lost mamba slices)."""
+    layouts = []
+    for state in ("mamba", "swa", "nsa"):
+        for tp_p, tp_d, h, pp in itertools.product(TPS, TPS, TPS, (1, 2)):
+            if tp_p * pp + tp_d <= 12:
+                layouts.append(Layout(tp_p, tp_d, h, pp_prefill=pp, state=state))
+        for tp_p, tp_d, pp in itertools.product(TPS, TPS, (1, 2)):
+            if tp_p * pp + tp_d <= 12:
+                layouts.append(Layout(tp_p, tp_d, 1, pp_prefill=pp, mla=True, state=state))
     return layouts
 
 
@@ -77,6 +92,15 @@ async def test_layout(lay: Layout) -> None:
 @pytest.mark.parametrize("lay", [lay for lay in full_matrix() if lay not in REPRESENTATIVE], ids=layout_id)
 async def test_layout_full_matrix(lay: Layout) -> None:
     await check_layout(lay, rooms=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lay", state_matrix(), ids=layout_id)
+async def test_hybrid_state_full_matrix(lay: Layout) -> None:
+    """Per token, and staged on decode where the prefill TP is larger (MHA)."""
+    await check_layout(lay, rooms=1)
+    if lay.tp_prefill > lay.tp_decode and not lay.mla:
+        await check_layout(lay, rooms=1, decode_staging_bytes=8 * 2**20)
 
 
 @pytest.mark.parametrize("lay", [
