@@ -120,10 +120,6 @@ class StagingRules(Core):
                 self._retry_due = False
                 self._serve_waiters(now)
 
-    @property
-    def rooms_waiting_for_slots(self) -> int:
-        return len(self._slot_waiters)
-
     def _staged_register(self, rank: PrefillRank, addr: str) -> dict[str, Any] | None:
         """Our Register's fields for ``rank`` when it writes into staging, else None."""
         instance = self.instances.get(addr)

@@ -80,7 +80,7 @@ class DecodeService(ReceiverPump):
             slot = int(staging.slot_items.sum())
             snap["staging"] = {"capacity_bytes": staging.slots * slot or staging.capacity,
                                "held_bytes": (staging.slots - staging.free_slots) * slot,
-                               "waiting_rooms": self.core.rooms_waiting_for_slots}
+                               "waiting_rooms": snap["tables"]["waiting_for_staging"]}
         return snap
 
     async def instance(self, addr: str, connect: bool = False) -> PrefillInstance:
