@@ -35,6 +35,7 @@ from .report import render, render_scaling
 FULL: dict[str, list[str]] = {"throughput": ["--reps", "9"], "small": [], "concurrency": [], "kernels": [], "idle": [],
                               "first_contact": [], "head_slice": [], "sglang": [],
                               "sglang_poll": [], "scaling": [], "hetero_tp": [], "hetero_tp_mamba": ["--mamba"],
+                              "hetero_tp_mixed": ["--mixed"],
                               "control": [], "sim": [], "trace": []}
 SMOKE: dict[str, list[str]] = {
     "throughput": ["--sizes-mib", "0.0625", "1", "--reps", "1"],
@@ -51,6 +52,8 @@ SMOKE: dict[str, list[str]] = {
     "hetero_tp": ["--rounds", "1", "--layers", "2", "--requests", "4", "--pages", "4", "--inflight", "2"],
     "hetero_tp_mamba": ["--rounds", "1", "--layers", "2", "--requests", "4", "--pages", "4", "--inflight", "2",
                         "--mamba"],
+    "hetero_tp_mixed": ["--rounds", "1", "--layers", "2", "--requests", "4", "--pages", "4", "--inflight", "2",
+                        "--mixed"],
     "control": ["--messages", "60", "--rounds", "1"],
     "sim": ["--seeds", "500", "--procs", "1"],
     "trace": ["--rooms", "5"],
@@ -59,7 +62,7 @@ MODULES = {"throughput": bench_throughput, "small": bench_small, "concurrency": 
            "kernels": bench_kernels, "idle": bench_idle, "first_contact": bench_first_contact,
            "head_slice": bench_head_slice, "sglang": bench_sglang,
            "sglang_poll": bench_sglang_poll, "scaling": bench_scaling, "hetero_tp": bench_hetero_tp,
-           "hetero_tp_mamba": bench_hetero_tp,
+           "hetero_tp_mamba": bench_hetero_tp, "hetero_tp_mixed": bench_hetero_tp,
            "control": bench_control, "sim": bench_sim, "trace": trace_room}
 
 

@@ -24,6 +24,11 @@ itself.
 ``--mamba``: a hybrid model, each layer also a mamba state entry (32 heads of 64 x 64 x 2 bytes at
 TP1, split by heads: 256 KiB a request and layer, 8 MiB a request beside its 64 MiB of KV), sent
 with the last chunk; equal TP and TP2 -> TP1 only (results/hetero_tp_mamba.json).
+
+``--mixed``: a decode fed by prefills at two TPs. TP4 -> TP1 staged in an area the TP4 shaped
+itself, staged in one a TP2 prefill shaped (the TP2 registers and serves a room first: each slot
+then holds two TP4 ranks' pages), and per token, which is what TP4 got beside a TP2 until
+2026-12-07 (results/hetero_tp_mixed.json).
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ CASES = [("TP1 -> TP1", 1, 1, {}), ("TP1 -> TP2, staged", 1, 2, {}),
          ("TP1 -> TP2, per token (staging off)", 1, 2, {"staging_bytes": 0}),
          ("TP2 -> TP1, staged on decode", 2, 1, {"decode_staging_bytes": DECODE_STAGING}),
          ("TP2 -> TP1, per token (decode staging off)", 2, 1, {"decode_staging_bytes": 0})]
+MIXED = [("TP1 -> TP1", 1, 1, {}),
+         ("TP4 -> TP1, staged (TP4 shaped the area)", 4, 1, {"decode_staging_bytes": DECODE_STAGING}),
+         ("TP4 -> TP1, staged beside a TP2 prefill (it shaped the area: 2 pages a slot)", 4, 1,
+          {"decode_staging_bytes": DECODE_STAGING, "shaper": 2}),
+         ("TP4 -> TP1, per token (beside a TP2 prefill before 2026-12-07)", 4, 1, {"decode_staging_bytes": 0})]
 
 
 MAMBA_HEADS, MAMBA_ROW = 32, 64 * 64 * 2
@@ -76,15 +86,21 @@ def _rank(layers: int, pages: int, tp_size: int, tp: int, mamba: int = 0) -> tup
 
 
 @contextlib.asynccontextmanager
-async def _cluster(layers: int, pages: int, tp_p: int, tp_d: int, mamba: int = 0,
+async def _cluster(layers: int, pages: int, tp_p: int, tp_d: int, mamba: int = 0, shaper: int = 0,
                    **config: Any) -> AsyncIterator[tuple[list[KVManager], list[KVManager], str]]:
+    """``shaper``: the TP of a second prefill that serves the decode one room first (0: none)."""
     cfg = Config(host_bootstrap=False, **config)
-    async with BootstrapServer("127.0.0.1", 0) as server, contextlib.AsyncExitStack() as stack:
+    async with BootstrapServer("127.0.0.1", 0) as server, BootstrapServer("127.0.0.1", 0) as other, \
+            contextlib.AsyncExitStack() as stack:
         prefill = [KVManager(Mode.PREFILL, _rank(layers, pages, tp_p, r, mamba)[0], bootstrap_addr=server.addr,
                              config=cfg) for r in range(tp_p)]
+        first = [KVManager(Mode.PREFILL, _rank(layers, pages, shaper, r, mamba)[0], bootstrap_addr=other.addr,
+                           config=cfg) for r in range(shaper)]
         decode = [KVManager(Mode.DECODE, _rank(layers, pages, tp_d, r, mamba)[0], config=cfg) for r in range(tp_d)]
-        for m in prefill + decode:
+        for m in prefill + first + decode:
             await stack.enter_async_context(m)
+        if first:
+            await _room(first, decode, other.addr, 20_000, np.arange(pages // 2))
         yield prefill, decode, server.addr
 
 
@@ -145,6 +161,9 @@ async def run_case(tp_p: int, tp_d: int, config: dict[str, Any], layers: int, re
         # use), outside the timing: the steady state a long-running rank is in.
         await asyncio.gather(*(_room(prefill, decode, addr, 10_000 + k, np.arange(pages) + k * pages, state(k))
                                for k in range(inflight)))
+        staged = {p.name: d._svc.core.registrations[p.name].staged for d in decode for p in prefill}  # type: ignore
+        if staged and all(staged.values()) is not bool(config.get("decode_staging_bytes")) and tp_p > tp_d:
+            raise RuntimeError(f"decode staging was not what the case says: {staged}")
 
         async def one(room: int) -> None:
             async with gate:
@@ -169,10 +188,11 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser.add_argument("--pages", type=int, default=32)
     parser.add_argument("--inflight", type=int, default=4)
     parser.add_argument("--mamba", action="store_true", help="a hybrid model with mamba state (see above)")
+    parser.add_argument("--mixed", action="store_true", help="a decode fed by prefills at two TPs (see above)")
     args = parser.parse_args(argv)
-    cases = [c for c in CASES if c[1] >= c[2]] if args.mamba else CASES
+    cases = [c for c in CASES if c[1] >= c[2]] if args.mamba else MIXED if args.mixed else CASES
     print(f"Heterogeneous TP, {args.requests} x {args.pages} pages, {args.inflight} in flight, same bytes"
-          f"{', mamba state' if args.mamba else ''}:", flush=True)
+          f"{', mamba state' if args.mamba else ''}{', prefills at two TPs' if args.mixed else ''}:", flush=True)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in cases}
     gathers: list[float] = []
     for r in range(args.rounds):
@@ -201,8 +221,10 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
           f"({ceiling / equal:.2f}x equal TP)", flush=True)
     result = {"question": __doc__.strip().splitlines()[0], "rounds": args.rounds, "requests": args.requests,
               "gather_gbps": gather, "gather_gbps_spread": [min(gathers), max(gathers)],
-              "pages": args.pages, "inflight": args.inflight, "layers": args.layers, "mamba": args.mamba, "rows": rows}
-    write_result("hetero_tp_mamba" if args.mamba else "hetero_tp", result, out_dir)
+              "pages": args.pages, "inflight": args.inflight, "layers": args.layers, "mamba": args.mamba,
+              "mixed": args.mixed, "rows": rows}
+    write_result("hetero_tp_mamba" if args.mamba else "hetero_tp_mixed" if args.mixed else "hetero_tp", result,
+                 out_dir)
     return result
 
 

@@ -119,10 +119,11 @@ def render(out: pathlib.Path, charts: bool = False) -> str:
         lines.append(f"| SGLang scheduler loop, {sp['queued']} requests queued: poll() per request per iteration | "
                      f"{a['median_us']:.2f} us median, {a['p99_us']:.2f} us p99 | SGLang's NixlKVSender.poll(): "
                      f"{s['median_us']:.2f} / {s['p99_us']:.2f} us | | <= 5 us |")
-    for ht in (_load(out, "hetero_tp"), _load(out, "hetero_tp_mamba")):
+    for ht in (_load(out, "hetero_tp"), _load(out, "hetero_tp_mamba"), _load(out, "hetero_tp_mixed")):
         if not ht:
             continue
-        equal, model = ht["rows"][0], " (mamba hybrid)" if ht.get("mamba") else ""
+        equal = ht["rows"][0]
+        model = " (mamba hybrid)" if ht.get("mamba") else " (two prefill TPs)" if ht.get("mixed") else ""
         for r in ht["rows"][1:]:
             lines.append(f"| heterogeneous TP{model}: {r['case']} | {r['gbps']:.2f} GB/s ({r['gbps_spread'][0]:.2f}-"
                          f"{r['gbps_spread'][1]:.2f}), {r['cpu_s_per_gb']:.2f} CPU s/GB | {equal['case']}: "

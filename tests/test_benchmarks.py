@@ -28,7 +28,7 @@ def test_every_benchmark_runs_at_a_tiny_size(tmp_path: pathlib.Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     written = sorted(p.name for p in tmp_path.glob("*.json"))
     assert written == ["concurrency.json", "control_transport.json", "first_contact.json", "head_slice.json",
-                       "hetero_tp.json", "hetero_tp_mamba.json", "idle.json",
+                       "hetero_tp.json", "hetero_tp_mamba.json", "hetero_tp_mixed.json", "idle.json",
                        "kernels.json", "room_trace.json",
                        "scaling.json", "sglang_poll.json", "sglang_side_by_side.json", "simulator.json",
                        "small_requests.json", "throughput.json"]

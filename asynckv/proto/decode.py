@@ -263,7 +263,7 @@ class DecodeCore(StagingRules, RegistrationRules):
             prog.sent = True
             prog.session = self.registrations[agent_id].session
             part = room.staged.get(agent_id)
-            pages = empty if target.is_dummy else room.pages if part is None else part.slots
+            pages = empty if target.is_dummy else room.pages if part is None else part.indices
             state = empty if prog.dummy else room.state_indices  # (a staged rank's Register names our state)
             self._emit(Send(target.rank.endpoint, TransferInfo(
                 room.room, room.epoch, self.name, agent_id, room.aux_index, plan.required_dst_info_num,

@@ -9,6 +9,8 @@ either side of the wire. When every sender of a room has succeeded, the room is 
 the pump copies each slot's rows into the slice of its page's token rows (``Scatter``) and
 answers ``scattered``; only then is it Succeeded, and its slots are given back as it finishes.
 The PP stages of one prefill TP rank share its slots: each writes its own layers' entries of them.
+Prefills at several larger TPs share the area where their slices fit the slots the first one shaped
+(a slot then spans several of a rank's pages; it is told the first's index).
 
 A room whose staged ranks find too few free slots waits in ``RESOLVING`` (first come, first
 served) until a finishing room gives its slots back; a room needing more slots than the area
@@ -56,26 +58,36 @@ class StagedSlice:
     slots: I32
     dst_offs: U64
     nbytes: U64
+    indices: I32
+    """The page indices its ranks are told: slot ``slots[k]`` is page ``indices[k]`` of their Register."""
+    src_offs: U64
+    """Per entry: where in each slot its page starts (a slot holds one or more of its pages)."""
+    sub: int
+    """Which of each slot's pages it writes; the part of page 0 gives the slots back."""
 
 
 class StagingSlots(Protocol):
     """Decode's staging area as the core uses it (``asynckv.service.decode_staging``)."""
 
     def usable(self, tp_prefill: int) -> bool:
-        """Whether ranks of a prefill at this TP can write whole pages into the area."""
+        """Whether ranks of a prefill at this TP can write whole pages into the area (the first TP
+        it says yes to shapes the slots; a later one must fit them)."""
 
     def register_fields(self, rank: PrefillRank) -> dict[str, Any]:
         """The fields of our ``Register`` that describe the area to ``rank`` as its own TP's pages."""
 
-    def slice_of(self, rank: PrefillRank) -> tuple[U64, U64]:
-        """Per entry: where in our token rows ``rank``'s rows go, and how many bytes they are."""
+    def per_slot(self, tp_prefill: int) -> int:
+        """How many pages of a rank at this (usable) TP one slot holds: 1 for the TP that shaped the area."""
+
+    def part(self, rank: PrefillRank, slots: I32, sub: int) -> StagedSlice:
+        """What ``rank`` writes: page ``sub`` of each of ``slots``, marked unwritten (see the service)."""
 
     @property
     def slots(self) -> int:
         """Slots in all."""
 
     def take(self, n: int) -> I32 | None:
-        """``n`` free slots (marked unwritten), or None when fewer are free."""
+        """``n`` free slots, or None when fewer are free."""
 
     def give(self, slots: I32) -> None:
         """Slots no rank can still write into."""
@@ -130,40 +142,43 @@ class StagingRules(Core):
 
     def _take_slots(self, room: ReceiverRoom, staged: list[PrefillRank], now: float) -> bool:
         """Slots for ``staged`` (the room's real ranks that write into staging): ``len(pages)`` for each
-        prefill TP rank, shared by its PP stages (each writes its own layers' entries). True when taken
-        (or none needed); False when the room waits for slots or failed for want of them."""
+        prefill TP rank, shared by its PP stages (each writes its own layers' entries), or for each
+        ``per_slot`` of them where a slot holds that many of their pages. True when taken (or none
+        needed); False when the room waits for slots or failed for want of them."""
         n, staging = len(room.pages), self.staging
         if not staged or n == 0 or room.staged or staging is None:  # (ranks are staged only with an area)
             return True
         stages: dict[int, list[PrefillRank]] = {}
         for rank in staged:
             stages.setdefault(rank.tp_rank, []).append(rank)
-        need = n * len(stages)
+        per_slot = staging.per_slot(staged[0].tp_size)  # (one instance: one TP)
+        groups = -(-len(stages) // per_slot)
+        need = n * groups
         if need > staging.slots:
+            shared = f", {per_slot} to a slot" if per_slot > 1 else ""
             self.fail(room, InvalidArgument(
                 f"room {room.room} needs {need} staging slots ({n} pages from each of {len(stages)} prefill TP "
-                f"ranks holding fewer heads), the decode staging area holds {staging.slots}: raise "
+                f"ranks holding fewer heads{shared}), the decode staging area holds {staging.slots}: raise "
                 f"decode_staging_bytes"), now)
             return False
         if self._slot_waiters and self._slot_waiters[0] is not room:
             if room not in self._slot_waiters:
                 self._slot_waiters.append(room)
             return False  # first come, first served
-        taken: list[tuple[list[PrefillRank], I32]] = []
-        for ranks in stages.values():
+        taken: list[I32] = []
+        for _ in range(groups):
             slots = staging.take(n)
             if slots is None:
-                for _, got in taken:
+                for got in taken:
                     staging.give(got)  # (never written: the destination has not gone out)
                 if room not in self._slot_waiters:
                     self._slot_waiters.append(room)
                 return False
-            taken.append((ranks, slots))
+            taken.append(slots)
         if self._slot_waiters and self._slot_waiters[0] is room:
             self._slot_waiters.popleft()
-        for ranks, slots in taken:
-            dst_offs, nbytes = staging.slice_of(ranks[0])
-            part = StagedSlice(ranks[0].agent_id, slots, dst_offs, nbytes)
+        for i, ranks in enumerate(stages.values()):
+            part = staging.part(ranks[0], taken[i // per_slot], i % per_slot)
             for rank in ranks:
                 room.staged[rank.agent_id] = part
         return True
@@ -194,7 +209,8 @@ class StagingRules(Core):
         """A finished room's slots are free (no rank can write into them), and waiting rooms may go on."""
         if room.staged and self.staging is not None:
             for part in dict.fromkeys(room.staged.values()):  # (a TP rank's PP stages share one)
-                self.staging.give(part.slots)
+                if part.sub == 0:  # (the TP ranks sharing slots: once)
+                    self.staging.give(part.slots)
             room.staged.clear()
         if room in self._slot_waiters:
             self._slot_waiters.remove(room)

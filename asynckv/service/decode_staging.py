@@ -4,8 +4,11 @@ The rules (which rooms take slots, when they are given back) are ``asynckv.proto
 this is the memory. One DRAM buffer, registered with the rank's NIXL agent like its KV
 (``np.empty``: address space until used). The first prefill TP larger than ours that is seen
 fixes the shape: slot ``k`` of entry ``e`` is ``item[e] * their_heads / our_heads`` bytes at
-``base[e] + k * that``, and the area holds ``capacity // sum(those)`` slots. (Ranks of a prefill
-at another TP larger than ours are written per token, as without staging.)
+``base[e] + k * that``, and the area holds ``capacity // sum(those)`` slots. A prefill at a larger TP
+still, whose ranks hold ``1/r`` of those heads, shares the slots: it is told the area is pages of its
+own size, ``r`` to a slot, and writes the first of each slot's ``r`` (its page ``k * r`` is slot ``k``).
+Ranks of a prefill whose slices do not fit a slot that way (a smaller TP than the one that shaped
+it, or head counts that do not divide) are written per token, as without staging.
 
 Which entries a rank writes is the prefill's business (pairing by layer id): before a room's
 destination goes out, the first 16 bytes of each of its slots in every entry get a marker drawn
@@ -84,7 +87,7 @@ class DecodeStaging:
 
     def usable(self, tp_prefill: int) -> bool:
         if self.tp_prefill is not None:
-            return tp_prefill == self.tp_prefill
+            return self._per_slot(tp_prefill) is not None
         a = self.args
         theirs, ours = self._heads(tp_prefill), a.kv_head_num
         if tp_prefill <= a.tp_size or ours <= theirs or not len(self._items) \
@@ -106,35 +109,68 @@ class DecodeStaging:
         """KV heads on a prefill rank at ``tp_prefill`` (ranks past the head count replicate one)."""
         return max(1, self.args.total_kv_head_num // tp_prefill)
 
-    def _shape(self) -> int:
-        """The prefill TP the slots are shaped for (``usable`` said yes to it first)."""
-        if self.tp_prefill is None:
-            raise LocalProtocolError("the decode staging area is not shaped for a prefill TP yet")
-        return self.tp_prefill
+    def _per_slot(self, tp_prefill: int) -> int | None:
+        """How many pages of a ``tp_prefill`` rank one slot spans (1 for the TP that shaped the area), or
+        None where its pages do not fit a slot evenly: it holds no fewer heads than the slot, or a share
+        of them that does not divide it, or its page would not cover a slot's marker."""
+        a = self.args
+        if self.tp_prefill is None or tp_prefill <= a.tp_size:
+            return None
+        theirs, shaped = self._heads(tp_prefill), self._heads(self.tp_prefill)
+        if theirs > shaped or shaped % theirs or int(self.slot_items.min()) // (shaped // theirs) < MARK:
+            return None
+        return shaped // theirs
+
+    def _shape(self, tp_prefill: int) -> tuple[int, U64]:
+        """``_per_slot(tp_prefill)`` and the page size of each entry a ``tp_prefill`` rank is told."""
+        per_slot = self._per_slot(tp_prefill)
+        if per_slot is None:
+            raise LocalProtocolError(f"the decode staging area is not shaped for a prefill at TP {tp_prefill}")
+        return per_slot, self.slot_items // np.uint64(per_slot)
 
     def register_fields(self, rank: PrefillRank) -> dict[str, Any]:
         """Our pool as a decode rank of ``rank``'s TP holding ``rank``'s heads would register it; our state
         entries as they are, split by our own rank (``state_tp_size``): the prefill writes them in place."""
-        a, tp_prefill, n = self.args, self._shape(), np.uint64(self._slots)
+        a, tp_prefill = self.args, rank.tp_size
+        items = self._shape(tp_prefill)[1]
         return {"tp_size": tp_prefill, "engine_rank": rank.tp_rank, "kv_head_num": self._heads(tp_prefill),
                 "kv_ptrs": tuple(int(x) for x in self._bases + np.uint64(self.addr)),
-                "kv_lens": tuple(int(x) for x in self.slot_items * n),
-                "kv_item_lens": tuple(int(x) for x in self.slot_items),
+                "kv_lens": tuple(int(x) for x in self.slot_items * np.uint64(self._slots)),
+                "kv_item_lens": tuple(int(x) for x in items),
                 "state_tp_size": a.tp_size, "state_engine_rank": a.engine_rank, "state_head_num": a.kv_head_num}
 
+    def per_slot(self, tp_prefill: int) -> int:
+        return self._shape(tp_prefill)[0]
+
     def slice_of(self, rank: PrefillRank) -> tuple[U64, U64]:
-        a, tp_prefill = self.args, self._shape()
+        """Per entry: where in our token rows ``rank``'s rows go, and how many bytes they are."""
+        a, tp_prefill = self.args, rank.tp_size
         hs = head_slice(tp_prefill=tp_prefill, tp_decode=a.tp_size, prefill_rank=rank.tp_rank,
                         decode_rank=a.engine_rank, total_heads=a.total_kv_head_num,
                         prefill_heads=self._heads(tp_prefill), decode_heads=a.kv_head_num,
-                        page_size=a.page_size, src_items=self.slot_items, dst_items=self._items)
+                        page_size=a.page_size, src_items=self._shape(tp_prefill)[1], dst_items=self._items)
         return hs.dst_offs, hs.nbytes
+
+    def part(self, rank: PrefillRank, slots: I32, sub: int) -> StagedSlice:
+        """``rank``'s part of ``slots``: page ``sub`` of each (of ``per_slot``), marked unwritten in every entry."""
+        per_slot, items = self._shape(rank.tp_size)
+        if not 0 <= sub < per_slot:
+            raise LocalProtocolError(f"page {sub} of a slot that holds {per_slot} of a TP {rank.tp_size} rank's")
+        dst_offs, nbytes = self.slice_of(rank)
+        part = StagedSlice(rank.agent_id, slots, dst_offs, nbytes, slots * np.int32(per_slot) + np.int32(sub),
+                           items * np.uint64(sub), sub)
+        view = self._mark_view(part)
+        if view is not None:
+            view[...] = self._marker
+        else:
+            self.buffer[self._marks(part)] = self._marker
+        return part
 
     # -- slots ---------------------------------------------------------------------------
 
     def take(self, n: int) -> I32 | None:
         """``n`` slots, from the lowest free runs (contiguous where they can be: a run of pages is one
-        descriptor), each marked unwritten in every entry; None when fewer are free."""
+        descriptor); None when fewer are free."""
         if n <= 0 or sum(length for _, length in self._free) < n:
             return None
         parts, left = [], n
@@ -147,13 +183,7 @@ class DecodeStaging:
             else:
                 self._free[0] = (start + got, length - got)
             left -= got
-        slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        view = self._mark_view(slots)
-        if view is not None:
-            view[...] = self._marker
-        else:
-            self.buffer[self._marks(slots)] = self._marker
-        return slots
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def give(self, slots: I32) -> None:
         runs = np.split(slots, np.flatnonzero(np.diff(slots) != 1) + 1)
@@ -171,21 +201,23 @@ class DecodeStaging:
     def free_slots(self) -> int:
         return sum(length for _, length in self._free)
 
-    def _mark_view(self, slots: I32) -> npt.NDArray[np.uint8] | None:
-        """The markers of ``slots`` in every entry, (entries, len(slots), MARK), as a view where the slots
-        are one run (taken lowest first: the usual) and the entries one size; else None."""
+    def _mark_view(self, part: StagedSlice) -> npt.NDArray[np.uint8] | None:
+        """The markers of ``part`` in every entry, (entries, slots, MARK), as a view where its slots are
+        one run (taken lowest first: the usual) and the entries one size; else None."""
+        slots = part.slots
         if self._uniform is None or not len(slots) or int(slots[-1]) - int(slots[0]) != len(slots) - 1:
             return None
-        s0 = int(slots[0])
-        return self._uniform[:, s0:s0 + len(slots), :MARK]
+        s0, off = int(slots[0]), int(part.src_offs[0])
+        return self._uniform[:, s0:s0 + len(slots), off:off + MARK]
 
-    def _read_marks(self, slots: I32) -> npt.NDArray[np.uint8]:
-        view = self._mark_view(slots)
-        return view if view is not None else self.buffer[self._marks(slots)]
+    def _read_marks(self, part: StagedSlice) -> npt.NDArray[np.uint8]:
+        view = self._mark_view(part)
+        return view if view is not None else self.buffer[self._marks(part)]
 
-    def _marks(self, slots: I32) -> npt.NDArray[np.intp]:
-        """Buffer indices of the markers of ``slots`` in every entry: shape (entries, len(slots), MARK)."""
-        first = self._bases[:, None] + slots.astype(np.uint64)[None, :] * self.slot_items[:, None]
+    def _marks(self, part: StagedSlice) -> npt.NDArray[np.intp]:
+        """Buffer indices of ``part``'s markers in every entry: shape (entries, slots, MARK)."""
+        first = (self._bases + part.src_offs)[:, None] + \
+            part.slots.astype(np.uint64)[None, :] * self.slot_items[:, None]
         return first.astype(np.intp)[:, :, None] + np.arange(MARK, dtype=np.intp)
 
     # -- the copy ------------------------------------------------------------------------
@@ -201,7 +233,7 @@ class DecodeStaging:
         for part in slices:
             if not len(part.slots):
                 continue
-            written = ~np.all(self._read_marks(part.slots) == self._marker, axis=2)  # (entries, slots)
+            written = ~np.all(self._read_marks(part) == self._marker, axis=2)  # (entries, slots)
             whole = written.all(axis=1)
             partial = written.any(axis=1) & ~whole
             if partial.any():  # it said it wrote them all: the pages of slots it left keep their contents
@@ -209,9 +241,10 @@ class DecodeStaging:
                             "are not copied", part.agent_id[:8], int(partial.sum()), int((~written[partial]).sum()))
             moves = _moves(part.slots, pages)
             for e in np.flatnonzero(written.any(axis=1)).tolist():
-                n, lo = int(part.nbytes[e]), int(part.dst_offs[e])
+                n, lo, off = int(part.nbytes[e]), int(part.dst_offs[e]), int(part.src_offs[e])
                 base, size = int(self._bases[e]), int(self.slot_items[e]) * self._slots
-                stage = self.buffer[base:base + size].reshape(self._slots, a.page_size, n)
+                rows = self.buffer[base:base + size].reshape(self._slots, -1)  # (a view: its page of each slot)
+                stage = rows[:, off:off + a.page_size * n].reshape(self._slots, a.page_size, n)
                 kv = self._kv_view(e)
                 if whole[e]:
                     for s0, count, dst in moves:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asynckv.errors import InvalidArgument
+from asynckv.errors import InvalidArgument, LocalProtocolError
 from asynckv.proto import actions as act
 from asynckv.proto.messages import Register, RegisterResult, Status
 from asynckv.proto.states import KVPoll, ReceiverState
 
-from .staging_rig import HEAD_BYTES, HEADS, ITEM, LAYERS, ME, PAGE, PAGES, Rig, infos, scatters
+from .staging_rig import HEAD_BYTES, HEADS, ITEM, LAYERS, ME, PAGE, PAGES, Rig, infos, prank, scatters
 
 
 def test_each_prefill_rank_sees_a_decode_of_its_own_tp_whose_pages_are_staging_slots() -> None:
@@ -140,11 +140,31 @@ def test_abort_of_a_room_being_copied_changes_nothing() -> None:
 
 @pytest.mark.parametrize("tp_prefill, usable", [(1, False), (2, True), (4, True), (8, True), (16, True)])
 def test_the_area_is_shaped_once_for_a_prefill_tp_that_holds_fewer_heads(tp_prefill: int, usable: bool) -> None:
+    """The first usable TP shapes the slots; a later TP shares them where its ranks hold no more heads
+    (a slot is then several of its pages: it is told the first one's index), else it goes per token."""
     rig = Rig()
     assert rig.staging.usable(tp_prefill) is usable  # (16: one head per rank, each held by two ranks)
-    if usable:
-        assert rig.staging.slot_items.tolist() == [ITEM * max(1, HEADS // tp_prefill) // HEADS] * (2 * LAYERS)
-        assert not rig.staging.usable(2 if tp_prefill != 2 else 4)  # one shape per area
+    if not usable:
+        return
+    shaped = max(1, HEADS // tp_prefill)
+    assert rig.staging.slot_items.tolist() == [ITEM * shaped // HEADS] * (2 * LAYERS)
+    slots = np.array([0, 1, 5], dtype=np.int32)
+    for later in (1, 2, 4, 8, 16):
+        heads = max(1, HEADS // later)
+        assert rig.staging.usable(later) is (later > 1 and heads <= shaped), later
+        if later > 1 and heads <= shaped:
+            fields = rig.staging.register_fields(prank(later, later - 1))
+            assert fields["kv_item_lens"] == (ITEM * heads // HEADS,) * (2 * LAYERS)
+            assert fields["kv_lens"] == (ITEM * shaped // HEADS * rig.staging.slots,) * (2 * LAYERS)  # the same area
+            assert (fields["tp_size"], fields["engine_rank"], fields["kv_head_num"]) == (later, later - 1, heads)
+            assert rig.staging.per_slot(later) == shaped // heads
+            last = rig.staging.part(prank(later, 0), slots, shaped // heads - 1)
+            assert last.indices.tolist() == (slots * (shaped // heads) + shaped // heads - 1).tolist()
+            with pytest.raises(LocalProtocolError, match="page"):
+                rig.staging.part(prank(later, 0), slots, shaped // heads)
+        else:
+            with pytest.raises(LocalProtocolError, match=f"TP {later}"):
+                rig.staging.register_fields(prank(later, 0))
 
 
 def test_a_pp_prefills_stages_share_their_tp_ranks_slots_and_each_rank_is_copied_once() -> None:

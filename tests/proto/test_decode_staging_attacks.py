@@ -250,22 +250,94 @@ def test_registration_timeout_of_another_instance_with_rooms_queued_for_slots() 
     assert set(infos(rig.take())) == {(2, "prefill-0"), (2, "prefill-1")}
 
 
-def test_two_instances_of_different_tps_the_second_writes_per_token_and_does_not_queue() -> None:
-    rig = Rig(slots=4)
-    a = rig.room(1, [0, 1])
+def test_a_smaller_tp_than_the_one_that_shaped_the_area_writes_per_token_and_does_not_queue() -> None:
+    rig = Rig(slots=4, tp_prefill=4)
+    a = rig.room(1, [0, 1])  # (TP4: 4 ranks x 2 pages, in 8 slots of a quarter page: more than the area)
     rig.register_all()
-    w = rig.room(2, [2, 3])
-    rig.take()
-    rig.core.topology_fetched(ADDR_B, instance(4, prefix="four", host="10.0.0.2"), rig.now)
+    rig.core.topology_fetched(ADDR_B, instance(2, prefix="two", host="10.0.0.2"), rig.now)
     b = rig.room(3, [7, 8], addr=ADDR_B)
     out = rig.register_all()
     sent = infos(out)
-    assert set(sent) == {(3, f"four-{t}") for t in range(4)}
+    assert set(sent) == {(3, f"two-{t}") for t in range(2)}
     assert all(m.dst_pages.tolist() == [7, 8] for m in sent.values())  # its real pages: no slots
-    for t in range(4):
-        assert rig.registers[f"four-{t}"].tp_size == 1  # registered as what it is
+    for t in range(2):
+        assert rig.registers[f"two-{t}"].tp_size == 1  # registered as what it is
     assert scatters(rig.succeed(b)) == [] and b.poll() is KVPoll.Success
-    del a, w
+    assert a.poll() is KVPoll.Failed and "raise decode_staging_bytes" in str(a.exception)
+
+
+def check_rows(rig: Rig, pages: list[int], tp: int, fills: dict[str, int]) -> None:
+    """Each rank's heads of every entry of ``pages`` hold what ``fill_slots`` wrote for it."""
+    rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
+    per_rank = max(1, HEADS // tp)
+    for agent, fill in fills.items():
+        lo = int(agent.rsplit("-", 1)[1]) * HEADS // tp * HEAD_BYTES
+        for e in range(ENTRIES):
+            for pos, p in enumerate(pages):
+                assert np.all(rows[e, p, :, lo:lo + per_rank * HEAD_BYTES] == (fill + e + pos) % 256), (agent, e, pos)
+
+
+@pytest.mark.parametrize("first, later", [(2, 2), (2, 4), (2, 8), (4, 8), (2, 16), (8, 16)])
+def test_a_larger_tp_shares_the_slots_the_first_shaped_several_of_its_pages_to_a_slot(first: int, later: int) -> None:
+    """A TP ``first`` prefill shaped the area; a TP ``later`` prefill's ranks hold ``r`` times fewer
+    heads. They register as their own TP with pages of their size, ``r`` to a slot, and share each slot
+    ``r`` ranks at a time: a room takes as many slots as one of the first TP. Both rooms in flight at
+    once, every rank's heads land in place, nothing else is touched, and every slot comes back."""
+    rig = Rig(slots=48, tp_prefill=first)
+    a = rig.room(1, [0, 1])
+    sent = infos(rig.register_all())
+    rig.core.topology_fetched(ADDR_B, instance(later, prefix="late", host="10.0.0.2"), rig.now)
+    pages = [30, 3, 4, 17]
+    b = rig.room(2, pages, addr=ADDR_B)
+    sent |= infos(rig.register_all())
+    per_slot = max(1, HEADS // first) // max(1, HEADS // later)
+    real_a = [agent for agent, p in a.ranks.items() if not p.dummy]
+    real_b = [agent for agent, p in b.ranks.items() if not p.dummy]
+    for agent in real_b:
+        reg = rig.registers[agent]
+        assert (reg.tp_size, reg.kv_head_num) == (later, max(1, HEADS // later))
+        assert list(reg.kv_item_lens) == [int(x) // per_slot for x in rig.staging.slot_items]
+    assert rig.staging.slots - rig.staging.free_slots == 2 * len(real_a) + len(pages) * -(-len(real_b) // per_slot)
+    told = [k for agent in real_a + real_b for k in sent[(1 if agent in real_a else 2, agent)].dst_pages.tolist()]
+    assert len(set(told[:2 * len(real_a)])) == 2 * len(real_a)
+    b_pages = {k for agent in real_b for k in sent[(2, agent)].dst_pages.tolist()}
+    assert len(b_pages) == len(pages) * len(real_b) and max(b_pages) < rig.staging.slots * per_slot
+    fills_a = {agent: 16 * (i + 1) for i, agent in enumerate(real_a)}
+    fills_b = {agent: 7 * (i + 3) for i, agent in enumerate(real_b)}
+    fill_slots(rig, sent, 1, fills_a)
+    fill_slots(rig, sent, 2, fills_b)
+    rig.kv[:] = 0xEE
+    for r in (b, a):  # (b first: a's copy must not depend on b's)
+        [sc] = scatters(rig.succeed(r))
+        rig.staging.scatter(r.pages, sc.slices)
+        rig.core.scattered(r, None, rig.now)
+        assert r.poll() is KVPoll.Success
+    check_rows(rig, [0, 1], first, fills_a)
+    check_rows(rig, pages, later, fills_b)
+    rows = rig.kv.reshape(ENTRIES, PAGES, PAGE, HEADS * HEAD_BYTES)
+    assert np.all(rows[:, [p for p in range(PAGES) if p not in [*pages, 0, 1]]] == 0xEE)
+    assert_nothing_leaks(rig)
+
+
+def test_a_larger_tps_room_queues_behind_the_first_tps_and_one_too_large_fails_naming_the_sharing() -> None:
+    rig = Rig(slots=4)  # TP2 shapes it: a 2-page room takes all 4 slots
+    a = rig.room(1, [0, 1])
+    rig.register_all()
+    rig.core.topology_fetched(ADDR_B, instance(4, prefix="four", host="10.0.0.2"), rig.now)
+    b = rig.room(2, [5, 6], addr=ADDR_B)  # 4 ranks, 2 to a slot: 4 slots, none free
+    c = rig.room(3, [7, 8, 9], addr=ADDR_B)  # 6 slots: never
+    sent = infos(rig.register_all())
+    assert not [k for k in sent if k[0] == 2] and b.state is ReceiverState.RESOLVING
+    assert c.poll() is KVPoll.Failed and "needs 6 staging slots (3 pages from each of 4 prefill TP ranks " \
+        "holding fewer heads, 2 to a slot), the decode staging area holds 4" in str(c.exception)
+    rig.succeed(a)
+    rig.core.scattered(a, None, rig.now)
+    sent = infos(rig.take())
+    assert sorted(sent[(2, f"four-{t}")].dst_pages.tolist() for t in range(4)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    [sc] = scatters(rig.succeed(b))
+    rig.core.scattered(b, None, rig.now)
+    assert b.poll() is KVPoll.Success and len(sc.slices) == 4
+    assert_nothing_leaks(rig)
 
 
 def test_a_status_ok_twice_scatters_once() -> None:
@@ -313,10 +385,13 @@ def test_scattered_on_a_room_still_waiting_or_resolving_raises() -> None:
 
 def fill_slots(rig: Rig, sent: dict[tuple[int, str], TransferInfo], room: int, fills: dict[str, int],
                entries: range | None = None) -> None:
+    """Write what each agent's prefill rank would: its pages (as its Register describes them) told in
+    ``room``'s TransferInfo, every byte of entry ``e`` of its ``pos``-th page ``fill + e + pos``."""
     stage = rig.staging.buffer
     for agent, fill in fills.items():
+        reg = rig.registers[agent]
         for e in entries if entries is not None else range(ENTRIES):
-            base, item = int(rig.staging._bases[e]), int(rig.staging.slot_items[e])
+            base, item = reg.kv_ptrs[e] - rig.staging.addr, reg.kv_item_lens[e]
             for pos, k in enumerate(sent[(room, agent)].dst_pages.tolist()):
                 stage[base + k * item:base + (k + 1) * item] = (fill + e + pos) % 256
 

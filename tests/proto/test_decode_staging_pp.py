@@ -336,14 +336,16 @@ def test_pp_fcfs_a_small_room_never_overtakes_a_big_head() -> None:
 
 def _reference_scatter(kv_before: np.ndarray, staging: DecodeStaging, pages: np.ndarray,
                        slices: tuple[StagedSlice, ...], kv_rows: Any) -> None:
-    """Per (entry, slot): copied iff its first 16 bytes are not the marker (kv_rows(e) -> (pages, page, row))."""
+    """Per (entry, slot): copied iff the first 16 bytes of the part's page in it are not the marker
+    (kv_rows(e) -> (pages, page, row))."""
     for part in slices:
         for e in range(len(staging.slot_items)):
             item = int(staging.slot_items[e])
             base = int(staging._bases[e])
-            n, lo = int(part.nbytes[e]), int(part.dst_offs[e])
+            n, lo, off = int(part.nbytes[e]), int(part.dst_offs[e]), int(part.src_offs[e])
+            size = staging.args.page_size * n
             for k, slot in enumerate(part.slots.tolist()):
-                raw = staging.buffer[base + slot * item: base + (slot + 1) * item]
+                raw = staging.buffer[base + slot * item + off: base + slot * item + off + size]
                 if np.array_equal(raw[:MARK], staging._marker):
                     continue
                 kv_rows(e)[int(pages[k]), :, lo:lo + n] = raw.reshape(staging.args.page_size, n)
@@ -410,8 +412,9 @@ def _nonuniform_args(kv: list[np.ndarray], heads: int, head_bytes: list[int], tp
 @pytest.mark.parametrize("seed", range(6))
 def test_fast_and_fancy_paths_give_the_reference_result(uniform: bool, seed: int) -> None:
     """DecodeStaging alone: entries of one size (strided view where a run is contiguous) or of mixed
-    sizes (fancy indexing always); take marks every slot of every entry; scatter agrees with the
-    reference, for contiguous and fragmented slots and scrambled pages, reusing dirty slots."""
+    sizes (fancy indexing always); a part marks its page of every slot in every entry; scatter agrees
+    with the reference, for contiguous and fragmented slots and scrambled pages, reusing dirty slots,
+    for ranks of the TP2 that shaped the area and of TP4 and TP8 sharing it (2 and 4 pages to a slot)."""
     rng = np.random.default_rng(100 + seed)
     heads, pages_n = 8, 24
     head_bytes = [8, 8, 8, 8] if uniform else [8, 16, 8, 32]
@@ -429,17 +432,22 @@ def test_fast_and_fancy_paths_give_the_reference_result(uniform: bool, seed: int
         slots = st.take(want)
         if slots is None:
             continue
-        marks = st.buffer[st._marks(slots)]
-        assert np.all(marks == st._marker), "a taken slot is not marked in every entry"
-        if st._mark_view(slots) is not None:
-            assert np.array_equal(st._mark_view(slots), marks)
-        dst_offs, nbytes = st.slice_of(prank(2, int(rng.integers(0, 2))))
-        part = StagedSlice("p", slots, dst_offs, nbytes)
+        tp = int(rng.choice([2, 4, 8]))
+        sub = int(rng.integers(0, tp // 2))
+        part = st.part(prank(tp, int(rng.integers(0, tp))), slots, sub)
+        assert part.indices.tolist() == (slots * (tp // 2) + sub).tolist()
+        marks = st.buffer[st._marks(part)]
+        assert np.all(marks == st._marker), "a part's page is not marked in every entry"
+        if st._mark_view(part) is not None:
+            assert np.array_equal(st._mark_view(part), marks)
         for e in range(len(kv)):
             item, base = int(st.slot_items[e]), int(st._bases[e])
+            page, off = item * 2 // tp, int(part.src_offs[e])
+            assert off == sub * page
             for s in slots.tolist():
                 if rng.random() < 0.6:
-                    st.buffer[base + s * item:base + (s + 1) * item] = rng.integers(0, 256, item, dtype=np.uint8)
+                    at = base + s * item + off
+                    st.buffer[at:at + page] = rng.integers(0, 256, page, dtype=np.uint8)
         pages = rng.permutation(pages_n)[:len(slots)].astype(np.int32)
         for e in range(len(kv)):
             kv[e][:] = rng.integers(0, 256, kv[e].shape, dtype=np.uint8)
@@ -617,3 +625,18 @@ def test_pp_tp16_replicated_heads_take_slots_for_real_tp_ranks_only() -> None:
     assert len(sc.slices) == 8
     rig.core.scattered(r, None, rig.now)
     assert_nothing_leaks(rig)
+
+
+@pytest.mark.parametrize("first, later, per_slot", [(2, 3, None), (2, 6, 3), (3, 6, 2), (3, 2, None), (6, 12, 1),
+                                                    (2, 1, None)])
+def test_a_later_tp_shares_the_slots_only_where_its_heads_divide_the_first_tps(first: int, later: int,
+                                                                               per_slot: int | None) -> None:
+    """6 heads at decode TP1: TP2 ranks hold 3, TP3 ranks 2, TP6 one. A later TP's pages fit a slot only
+    where its heads divide the slot's (TP2 then TP3: 3 heads a slot, 2 a page, is refused)."""
+    kv = [np.zeros(8 * PAGE * 6 * 16, dtype=np.uint8) for _ in range(2)]
+    st = DecodeStaging(1 << 16, _nonuniform_args(kv, 6, [16, 16]))
+    assert st.usable(first)
+    assert st.usable(later) is (per_slot is not None)
+    if per_slot is not None:
+        assert st.per_slot(later) == per_slot
+        assert st.register_fields(prank(later, 0))["kv_item_lens"] == (int(st.slot_items[0]) // per_slot,) * 2
