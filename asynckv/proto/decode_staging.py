@@ -50,20 +50,21 @@ U64 = npt.NDArray[np.uint64]
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class StagedSlice:
-    """What one prefill TP rank (all its PP stages) wrote into staging for one room: slot ``slots[k]``
+    """What one prefill TP rank (all its PP stages) wrote into staging for one room: page ``indices[k]``
     holds, for every entry, the rows of the room's ``k``-th page that go to bytes ``[dst_offs[e],
-    dst_offs[e] + nbytes[e])`` of each token row of entry ``e``. ``agent_id``: its first stage's rank."""
+    dst_offs[e] + nbytes[e])`` of each token row of entry ``e``; ``slots``: the slots those pages are in
+    (shared with other TP ranks of its prefill where a slot holds several). ``agent_id``: its first
+    stage's rank."""
 
     agent_id: str
     slots: I32
     dst_offs: U64
     nbytes: U64
     indices: I32
-    """The page indices its ranks are told: slot ``slots[k]`` is page ``indices[k]`` of their Register."""
-    src_offs: U64
-    """Per entry: where in each slot its page starts (a slot holds one or more of its pages)."""
+    """The pages of the area its ranks write (of their size, as their Register describes the area:
+    one or more to a slot), told in the TransferInfo: the room's ``k``-th page goes to ``indices[k]``."""
     sub: int
-    """Which of each slot's pages it writes; the part of page 0 gives the slots back."""
+    """Its place among the TP ranks sharing ``slots`` (0 when a slot holds one page); 0 gives them back."""
 
 
 class StagingSlots(Protocol):

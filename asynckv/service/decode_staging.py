@@ -6,7 +6,8 @@ this is the memory. One DRAM buffer, registered with the rank's NIXL agent like 
 fixes the shape: slot ``k`` of entry ``e`` is ``item[e] * their_heads / our_heads`` bytes at
 ``base[e] + k * that``, and the area holds ``capacity // sum(those)`` slots. A prefill at a larger TP
 still, whose ranks hold ``1/r`` of those heads, shares the slots: it is told the area is pages of its
-own size, ``r`` to a slot, and writes the first of each slot's ``r`` (its page ``k * r`` is slot ``k``).
+own size, ``r`` to a slot, and ``r`` of its TP ranks share a room's slots, each a run of its own
+(``part``).
 Ranks of a prefill whose slices do not fit a slot that way (a smaller TP than the one that shaped
 it, or head counts that do not divide) are written per token, as without staging.
 
@@ -152,13 +153,19 @@ class DecodeStaging:
         return hs.dst_offs, hs.nbytes
 
     def part(self, rank: PrefillRank, slots: I32, sub: int) -> StagedSlice:
-        """``rank``'s part of ``slots``: page ``sub`` of each (of ``per_slot``), marked unwritten in every entry."""
-        per_slot, items = self._shape(rank.tp_size)
+        """``rank``'s part of ``slots`` (taken for ``per_slot`` ranks of its TP, ``sub`` the rank's place
+        among them), marked unwritten in every entry. Each run of ``L`` slots is ``L x per_slot`` pages
+        of ``rank``'s size; rank ``sub`` gets the ``sub``-th block of ``L``: a run of its own (one
+        descriptor a run on the prefill, one copy a run here)."""
+        per_slot = self._shape(rank.tp_size)[0]
         if not 0 <= sub < per_slot:
-            raise LocalProtocolError(f"page {sub} of a slot that holds {per_slot} of a TP {rank.tp_size} rank's")
+            raise LocalProtocolError(f"rank {sub} of a slot that holds {per_slot} TP {rank.tp_size} ranks' pages")
+        runs = np.split(slots, np.flatnonzero(np.diff(slots) != 1) + 1)
+        blocks = [np.arange(int(run[0]) * per_slot + sub * len(run), int(run[0]) * per_slot + (sub + 1) * len(run),
+                            dtype=np.int32) for run in runs if len(run)]
+        indices = blocks[0] if len(blocks) == 1 else np.concatenate(blocks) if blocks else slots
         dst_offs, nbytes = self.slice_of(rank)
-        part = StagedSlice(rank.agent_id, slots, dst_offs, nbytes, slots * np.int32(per_slot) + np.int32(sub),
-                           items * np.uint64(sub), sub)
+        part = StagedSlice(rank.agent_id, slots, dst_offs, nbytes, indices, sub)
         view = self._mark_view(part)
         if view is not None:
             view[...] = self._marker
@@ -202,22 +209,24 @@ class DecodeStaging:
         return sum(length for _, length in self._free)
 
     def _mark_view(self, part: StagedSlice) -> npt.NDArray[np.uint8] | None:
-        """The markers of ``part`` in every entry, (entries, slots, MARK), as a view where its slots are
-        one run (taken lowest first: the usual) and the entries one size; else None."""
-        slots = part.slots
-        if self._uniform is None or not len(slots) or int(slots[-1]) - int(slots[0]) != len(slots) - 1:
+        """The markers of ``part`` in every entry, (entries, pages, MARK), as a view where its pages are
+        one run (slots taken lowest first: the usual) and the entries one size; else None."""
+        idx = part.indices
+        if self._uniform is None or not len(idx) or int(idx[-1]) - int(idx[0]) != len(idx) - 1:
             return None
-        s0, off = int(slots[0]), int(part.src_offs[0])
-        return self._uniform[:, s0:s0 + len(slots), off:off + MARK]
+        entries, slots, item = self._uniform.shape
+        page = self.args.page_size * int(part.nbytes[0])
+        i0 = int(idx[0])
+        return self._uniform.reshape(entries, slots * item // page, page)[:, i0:i0 + len(idx), :MARK]
 
     def _read_marks(self, part: StagedSlice) -> npt.NDArray[np.uint8]:
         view = self._mark_view(part)
         return view if view is not None else self.buffer[self._marks(part)]
 
     def _marks(self, part: StagedSlice) -> npt.NDArray[np.intp]:
-        """Buffer indices of ``part``'s markers in every entry: shape (entries, slots, MARK)."""
-        first = (self._bases + part.src_offs)[:, None] + \
-            part.slots.astype(np.uint64)[None, :] * self.slot_items[:, None]
+        """Buffer indices of ``part``'s markers in every entry: shape (entries, pages, MARK)."""
+        page = part.nbytes * np.uint64(self.args.page_size)  # (per entry: the size of its pages)
+        first = self._bases[:, None] + part.indices.astype(np.uint64)[None, :] * page[:, None]
         return first.astype(np.intp)[:, :, None] + np.arange(MARK, dtype=np.intp)
 
     # -- the copy ------------------------------------------------------------------------
@@ -227,7 +236,7 @@ class DecodeStaging:
         return sum(len(s.slots) * int(s.nbytes.sum()) for s in slices) * self.args.page_size
 
     def scatter(self, pages: I32, slices: tuple[StagedSlice, ...]) -> int:
-        """Copy each slice's slots into ``pages`` (slot ``k`` into page ``pages[k]``); entries a rank did
+        """Copy each slice's pages into ``pages`` (its ``k``-th into page ``pages[k]``); entries a rank did
         not write are left alone. Returns the entries copied."""
         a, copied = self.args, 0
         for part in slices:
@@ -239,19 +248,18 @@ class DecodeStaging:
             if partial.any():  # it said it wrote them all: the pages of slots it left keep their contents
                 log.warning("prefill %s left staged pages unwritten in %d entries (%d pages in all); those pages "
                             "are not copied", part.agent_id[:8], int(partial.sum()), int((~written[partial]).sum()))
-            moves = _moves(part.slots, pages)
+            moves = _moves(part.indices, pages)
             for e in np.flatnonzero(written.any(axis=1)).tolist():
-                n, lo, off = int(part.nbytes[e]), int(part.dst_offs[e]), int(part.src_offs[e])
+                n, lo = int(part.nbytes[e]), int(part.dst_offs[e])
                 base, size = int(self._bases[e]), int(self.slot_items[e]) * self._slots
-                rows = self.buffer[base:base + size].reshape(self._slots, -1)  # (a view: its page of each slot)
-                stage = rows[:, off:off + a.page_size * n].reshape(self._slots, a.page_size, n)
+                stage = self.buffer[base:base + size].reshape(-1, a.page_size, n)  # (pages of the rank's size)
                 kv = self._kv_view(e)
                 if whole[e]:
                     for s0, count, dst in moves:
                         kv[dst, :, lo:lo + n] = stage[s0:s0 + count]
                 else:  # (as per token: what was not written keeps its contents)
                     got = written[e]
-                    kv[pages[got], :, lo:lo + n] = stage[part.slots[got]]
+                    kv[pages[got], :, lo:lo + n] = stage[part.indices[got]]
                 copied += 1
         return copied
 
@@ -267,9 +275,9 @@ class DecodeStaging:
 
 
 def _moves(slots: I32, pages: I32) -> list[tuple[int, int, slice | I32]]:
-    """The copies of one rank's slots, the same for every entry: per run of consecutive slots (taken in
-    runs: usually one), its first slot, its length and its pages (a slice where they run on too: it
-    copies faster than an index array)."""
+    """The copies of one rank's staged pages (``slots``), the same for every entry: per run of
+    consecutive ones (taken in runs: usually one), its first, its length and its pages (a slice where
+    they run on too: it copies faster than an index array)."""
     cut = np.flatnonzero(np.diff(slots) != 1) + 1
     bounds = [0, *cut.tolist(), len(slots)]
     moves: list[tuple[int, int, slice | I32]] = []

@@ -333,7 +333,7 @@ def test_a_larger_tps_room_queues_behind_the_first_tps_and_one_too_large_fails_n
     rig.succeed(a)
     rig.core.scattered(a, None, rig.now)
     sent = infos(rig.take())
-    assert sorted(sent[(2, f"four-{t}")].dst_pages.tolist() for t in range(4)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sorted(sent[(2, f"four-{t}")].dst_pages.tolist() for t in range(4)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     [sc] = scatters(rig.succeed(b))
     rig.core.scattered(b, None, rig.now)
     assert b.poll() is KVPoll.Success and len(sc.slices) == 4

@@ -336,16 +336,15 @@ def test_pp_fcfs_a_small_room_never_overtakes_a_big_head() -> None:
 
 def _reference_scatter(kv_before: np.ndarray, staging: DecodeStaging, pages: np.ndarray,
                        slices: tuple[StagedSlice, ...], kv_rows: Any) -> None:
-    """Per (entry, slot): copied iff the first 16 bytes of the part's page in it are not the marker
-    (kv_rows(e) -> (pages, page, row))."""
+    """Per (entry, staged page): copied iff its first 16 bytes are not the marker (kv_rows(e) -> (pages,
+    page, row)); a part's pages are of its rank's size (nbytes a token row)."""
     for part in slices:
         for e in range(len(staging.slot_items)):
-            item = int(staging.slot_items[e])
             base = int(staging._bases[e])
-            n, lo, off = int(part.nbytes[e]), int(part.dst_offs[e]), int(part.src_offs[e])
+            n, lo = int(part.nbytes[e]), int(part.dst_offs[e])
             size = staging.args.page_size * n
-            for k, slot in enumerate(part.slots.tolist()):
-                raw = staging.buffer[base + slot * item + off: base + slot * item + off + size]
+            for k, page in enumerate(part.indices.tolist()):
+                raw = staging.buffer[base + page * size: base + (page + 1) * size]
                 if np.array_equal(raw[:MARK], staging._marker):
                     continue
                 kv_rows(e)[int(pages[k]), :, lo:lo + n] = raw.reshape(staging.args.page_size, n)
@@ -435,19 +434,18 @@ def test_fast_and_fancy_paths_give_the_reference_result(uniform: bool, seed: int
         tp = int(rng.choice([2, 4, 8]))
         sub = int(rng.integers(0, tp // 2))
         part = st.part(prank(tp, int(rng.integers(0, tp))), slots, sub)
-        assert part.indices.tolist() == (slots * (tp // 2) + sub).tolist()
+        r, runs = tp // 2, np.split(slots, np.flatnonzero(np.diff(slots) != 1) + 1)
+        assert part.indices.tolist() == [int(run[0]) * r + sub * len(run) + i for run in runs for i in range(len(run))]
         marks = st.buffer[st._marks(part)]
         assert np.all(marks == st._marker), "a part's page is not marked in every entry"
         if st._mark_view(part) is not None:
             assert np.array_equal(st._mark_view(part), marks)
         for e in range(len(kv)):
             item, base = int(st.slot_items[e]), int(st._bases[e])
-            page, off = item * 2 // tp, int(part.src_offs[e])
-            assert off == sub * page
-            for s in slots.tolist():
+            page = item * 2 // tp
+            for k in part.indices.tolist():
                 if rng.random() < 0.6:
-                    at = base + s * item + off
-                    st.buffer[at:at + page] = rng.integers(0, 256, page, dtype=np.uint8)
+                    st.buffer[base + k * page:base + (k + 1) * page] = rng.integers(0, 256, page, dtype=np.uint8)
         pages = rng.permutation(pages_n)[:len(slots)].astype(np.int32)
         for e in range(len(kv)):
             kv[e][:] = rng.integers(0, 256, kv[e].shape, dtype=np.uint8)
