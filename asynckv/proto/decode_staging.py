@@ -9,8 +9,11 @@ either side of the wire. When every sender of a room has succeeded, the room is 
 the pump copies each slot's rows into the slice of its page's token rows (``Scatter``) and
 answers ``scattered``; only then is it Succeeded, and its slots are given back as it finishes.
 The PP stages of one prefill TP rank share its slots: each writes its own layers' entries of them.
-Prefills at several larger TPs share the area where their slices fit the slots the first one shaped
-(a slot then spans several of a rank's pages; it is told the first's index).
+Prefills at several larger TPs share the area where their slices fit the slots the first one shaped:
+ranks holding ``r`` times fewer heads than a slot put ``r`` of their pages in it, ``r`` TP ranks of a
+room sharing its slots, each with a run of pages of its own (``StagingSlots.part``). Ranks holding
+more heads than a slot (a smaller TP: TP2 after TP4 over 8 heads), or a share that does not divide
+it, are written per token, with a warning.
 
 A room whose staged ranks find too few free slots waits in ``RESOLVING`` (first come, first
 served) until a finishing room gives its slots back; a room needing more slots than the area
@@ -37,6 +40,7 @@ from .receiver import ReceiverRoom
 from .states import Event, ReceiverState
 
 if TYPE_CHECKING:
+    from ..layout import KVArgs
     from .bootstrap import PrefillRank
     from .topology import PrefillInstance
 
@@ -98,6 +102,7 @@ class StagingRules(Core):
     """The staged-slice rules of ``DecodeCore`` (see the module docstring)."""
 
     if TYPE_CHECKING:
+        kv_args: KVArgs
         rooms: dict[int, ReceiverRoom]
         instances: dict[str, PrefillInstance]
         closing: bool
@@ -136,10 +141,16 @@ class StagingRules(Core):
     def _staged_register(self, rank: PrefillRank, addr: str) -> dict[str, Any] | None:
         """Our Register's fields for ``rank`` when it writes into staging, else None."""
         instance = self.instances.get(addr)
-        if self.staging is None or instance is None \
-                or not self.staging.usable(instance.tp_size):
+        if self.staging is None or instance is None:
             return None
-        return self.staging.register_fields(rank)
+        if self.staging.usable(instance.tp_size):
+            return self.staging.register_fields(rank)
+        if (rank.tp_rank, rank.pp_rank) == (0, 0) and instance.tp_size > self.kv_args.tp_size:  # (once an instance)
+            log.warning("prefill %s (TP %d) writes into this rank per token, one descriptor per token and entry: its "
+                        "ranks' pages do not fit the decode staging area, whose slots the first larger prefill TP "
+                        "registered with shaped (ranks holding more heads than a slot, or a share that does not "
+                        "divide it, go per token)", addr, instance.tp_size)
+        return None
 
     def _take_slots(self, room: ReceiverRoom, staged: list[PrefillRank], now: float) -> bool:
         """Slots for ``staged`` (the room's real ranks that write into staging): ``len(pages)`` for each

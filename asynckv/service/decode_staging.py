@@ -4,12 +4,12 @@ The rules (which rooms take slots, when they are given back) are ``asynckv.proto
 this is the memory. One DRAM buffer, registered with the rank's NIXL agent like its KV
 (``np.empty``: address space until used). The first prefill TP larger than ours that is seen
 fixes the shape: slot ``k`` of entry ``e`` is ``item[e] * their_heads / our_heads`` bytes at
-``base[e] + k * that``, and the area holds ``capacity // sum(those)`` slots. A prefill at a larger TP
-still, whose ranks hold ``1/r`` of those heads, shares the slots: it is told the area is pages of its
-own size, ``r`` to a slot, and ``r`` of its TP ranks share a room's slots, each a run of its own
-(``part``).
-Ranks of a prefill whose slices do not fit a slot that way (a smaller TP than the one that shaped
-it, or head counts that do not divide) are written per token, as without staging.
+``base[e] + k * that``, and the area holds ``capacity // sum(those)`` slots. A prefill at another TP
+larger than ours whose ranks hold ``1/r`` of a slot's heads (``r`` whole; 1 where TPs past the head
+count replicate heads) shares the slots: it is told the area is pages of its own size, ``r`` to a
+slot, and ``r`` of its TP ranks share a room's slots, each a run of its own (``part``). Ranks
+holding more heads than a slot (a smaller TP than the one that shaped it: TP2 after TP4 over 8
+heads), or a share that does not divide it, are written per token, as without staging.
 
 Which entries a rank writes is the prefill's business (pairing by layer id): before a room's
 destination goes out, the first 16 bytes of each of its slots in every entry get a marker drawn

@@ -250,13 +250,17 @@ def test_registration_timeout_of_another_instance_with_rooms_queued_for_slots() 
     assert set(infos(rig.take())) == {(2, "prefill-0"), (2, "prefill-1")}
 
 
-def test_a_smaller_tp_than_the_one_that_shaped_the_area_writes_per_token_and_does_not_queue() -> None:
+def test_a_smaller_tp_than_the_one_that_shaped_the_area_writes_per_token_and_does_not_queue(
+        caplog: pytest.LogCaptureFixture) -> None:
     rig = Rig(slots=4, tp_prefill=4)
     a = rig.room(1, [0, 1])  # (TP4: 4 ranks x 2 pages, in 8 slots of a quarter page: more than the area)
     rig.register_all()
     rig.core.topology_fetched(ADDR_B, instance(2, prefix="two", host="10.0.0.2"), rig.now)
     b = rig.room(3, [7, 8], addr=ADDR_B)
-    out = rig.register_all()
+    with caplog.at_level(logging.WARNING, logger="asynckv.decode"):
+        out = rig.register_all()
+    [warning] = [r.getMessage() for r in caplog.records if "per token" in r.getMessage()]  # (once, not per rank)
+    assert f"prefill {ADDR_B} (TP 2) writes into this rank per token" in warning
     sent = infos(out)
     assert set(sent) == {(3, f"two-{t}") for t in range(2)}
     assert all(m.dst_pages.tolist() == [7, 8] for m in sent.values())  # its real pages: no slots
