@@ -38,6 +38,18 @@ def decode_args(kv: np.ndarray, tp: int = 1, engine_rank: int = 0, nsa: np.ndarr
                   total_kv_head_num=HEADS * tp, **state)
 
 
+def decode_register(args: KVArgs) -> Register:
+    """The ``Register`` a decode rank with ``args`` (KV only, no state) sends before it names a prefill rank."""
+    return Register(
+        decode_id=ME, prefill_id="", session=0, lease_ms=0, endpoint="tcp://10.0.0.9:5000",
+        engine_rank=args.engine_rank, tp_size=args.tp_size, page_size=args.page_size, kv_dtype="bfloat16",
+        mem_kind="DRAM", is_mla=False, gpu_id=0, kv_ptrs=tuple(args.kv_data_ptrs), kv_lens=tuple(args.kv_data_lens),
+        kv_item_lens=tuple(args.kv_item_lens), kv_layer_ids=tuple(range(len(args.kv_data_ptrs))), aux_ptrs=(),
+        aux_lens=(), aux_item_lens=(), scratch_ptr=0, scratch_len=0, kv_head_num=args.kv_head_num,
+        total_kv_head_num=args.total_kv_head_num, state_type="none", state_ptrs=(), state_lens=(), state_item_lens=(),
+        state_layer_ids=(), state_dims=(), state_outer=(), agent_metadata=stub_agent_metadata(ME))
+
+
 def prank(tp_size: int, tp: int, prefix: str = "prefill", host: str = "10.0.0.1", pp_size: int = 1,
           pp: int = 0) -> PrefillRank:
     """Rank ``tp`` of stage ``pp``: agent ``{prefix}-{tp}`` (``{prefix}-s{pp}-{tp}`` past the first stage)."""
@@ -65,14 +77,7 @@ class Rig:
         args = decode_args(self.kv, tp, engine_rank, self.nsa)
         per_slot = ENTRIES * ITEM * max(1, HEADS * tp // tp_prefill) // HEADS
         self.staging = DecodeStaging(slots * per_slot, args)
-        register = Register(
-            decode_id=ME, prefill_id="", session=0, lease_ms=0, endpoint="tcp://10.0.0.9:5000", engine_rank=engine_rank,
-            tp_size=tp, page_size=PAGE, kv_dtype="bfloat16", mem_kind="DRAM", is_mla=False, gpu_id=0,
-            kv_ptrs=tuple(args.kv_data_ptrs), kv_lens=tuple(args.kv_data_lens), kv_item_lens=tuple(args.kv_item_lens),
-            kv_layer_ids=tuple(range(ENTRIES)), aux_ptrs=(), aux_lens=(), aux_item_lens=(), scratch_ptr=0,
-            scratch_len=0, kv_head_num=HEADS, total_kv_head_num=HEADS * tp, state_type="none", state_ptrs=(),
-            state_lens=(), state_item_lens=(), state_layer_ids=(), state_dims=(), state_outer=(),
-            agent_metadata=stub_agent_metadata(ME))
+        register = decode_register(args)
         self.config = config or Config()
         self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, self.config, register, itertools.count(1),
                                self.staging)

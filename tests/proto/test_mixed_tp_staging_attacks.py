@@ -33,7 +33,6 @@ from asynckv.layout import KVArgs
 from asynckv.proto import actions as act
 from asynckv.proto.bootstrap import PrefillRank
 from asynckv.proto.decode import DecodeCore
-from asynckv.proto.destinations import CheckDestination
 from asynckv.proto.messages import Register, TransferInfo
 from asynckv.proto.prefill import PrefillCore
 from asynckv.proto.receiver import ReceiverRoom
@@ -43,8 +42,20 @@ from asynckv.service.decode_staging import DecodeStaging
 from asynckv.service.manager import _register_template
 
 from . import test_state_rank_attacks as real
-from .staging_rig import ADDR, ADDR_B, ENTRIES, HEAD_BYTES, ME, PAGE, PAGES, Rig, assert_nothing_leaks, instance
-from .test_state_rank_attacks import Buffers, Geo, Memory, Model, build, descriptors, wire
+from .staging_rig import (
+    ADDR,
+    ADDR_B,
+    ENTRIES,
+    HEAD_BYTES,
+    ME,
+    PAGE,
+    PAGES,
+    Rig,
+    assert_nothing_leaks,
+    decode_register,
+    instance,
+)
+from .test_state_rank_attacks import Buffers, Geo, Memory, Model, build
 
 HB = HEAD_BYTES
 U8 = npt.NDArray[np.uint8]
@@ -66,14 +77,7 @@ class MixRig(Rig):
                       aux_data_lens=[], aux_item_lens=[], page_size=PAGE, tp_size=tp, engine_rank=engine_rank,
                       kv_head_num=self.hd, total_kv_head_num=heads)
         self.staging = DecodeStaging(slots * ENTRIES * PAGE * max(1, heads // first) * HB, args)
-        register = Register(
-            decode_id=ME, prefill_id="", session=0, lease_ms=0, endpoint="tcp://10.0.0.9:5000", engine_rank=engine_rank,
-            tp_size=tp, page_size=PAGE, kv_dtype="bfloat16", mem_kind="DRAM", is_mla=False, gpu_id=0,
-            kv_ptrs=tuple(args.kv_data_ptrs), kv_lens=tuple(args.kv_data_lens), kv_item_lens=tuple(args.kv_item_lens),
-            kv_layer_ids=tuple(range(ENTRIES)), aux_ptrs=(), aux_lens=(), aux_item_lens=(), scratch_ptr=0,
-            scratch_len=0, kv_head_num=self.hd, total_kv_head_num=heads, state_type="none", state_ptrs=(),
-            state_lens=(), state_item_lens=(), state_layer_ids=(), state_dims=(), state_outer=(),
-            agent_metadata=stub_agent_metadata(ME))
+        register = decode_register(args)
         self.config = config or Config()
         self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, self.config, register, itertools.count(1),
                                self.staging)
@@ -181,6 +185,13 @@ class World:
                 self.rows_expect()[e, room.pages[pos], :, lo:lo + len(heads)] = model[e, pos, :, heads.start:heads.stop]
         rig.core.scattered(room, error, rig.now)
         return self.take()
+
+    def finish(self, room: ReceiverRoom) -> None:
+        """Every real rank writes honestly and succeeds, and the room's copy runs: it has succeeded."""
+        self.write_all(room)
+        self.absorb(self.rig.succeed(room))
+        self.scatter(room)
+        assert room.poll() is KVPoll.Success, room.exception
 
     def check(self) -> None:
         bad = np.argwhere(self.rig.rows() != self.rows_expect())
@@ -490,50 +501,24 @@ def mixed_rooms(heads: int, tp_d: int, d_rank: int, prefills: list[tuple[int, in
     me, ep = "decode-mixed", "tcp://10.0.0.9:5000"
     template = _register_template(me, ep, dec.args, (0, 0), stub_agent_metadata(me))
     dcore = DecodeCore(me, ep, dec.args, Config(), template, itertools.count(1), area)
-    pcores: dict[str, tuple[PrefillCore, Buffers, int]] = {}
+    pcores: dict[str, tuple[PrefillCore, Buffers]] = {}
+    instance_of: dict[str, int] = {}
     by_endpoint: dict[str, str] = {}
     registers: dict[str, Register] = {}
     senders: dict[str, Any] = {}
     rooms: list[ReceiverRoom] = []
     pinned: list[npt.NDArray[np.int32]] = []
 
+    def sent(agent: str, msg: Any) -> None:
+        if isinstance(msg, Register):
+            registers[agent] = msg
+
     def pump() -> None:
-        busy = True
-        while busy:
-            busy = False
-            for a in dcore.actions():
-                busy = True
-                if isinstance(a, act.Send):
-                    msg = wire(a.msg)
-                    agent = by_endpoint[a.endpoint]
-                    if isinstance(msg, Register):
-                        registers[agent] = msg
-                    pcores[agent][0].receive(msg, now)
-                elif isinstance(a, act.Scatter):
-                    assert area is not None
-                    area.scatter(a.room.pages, a.slices)
-                    dcore.scattered(a.room, None, now)
-            for agent, (core, b, _) in pcores.items():
-                settle = []
-                for a in core.actions():
-                    busy = True
-                    if isinstance(a, act.Send):
-                        dcore.receive(wire(a.msg), now)
-                    elif isinstance(a, act.ConnectPeer):
-                        core.peer_connected(a.peer, None, now)
-                    elif isinstance(a, CheckDestination):
-                        core.destination_checked(a.token, a.run(), now)
-                    elif isinstance(a, act.Post):
-                        peer = core.peers[a.peer]
-                        s, d = descriptors(b.args, peer.reg, peer.plan, a)
-                        mem.copy(s, d, f"{agent} {a.kind}")
-                        settle.append(a.post_id)
-                for post_id in settle:
-                    core.post_settled(post_id, None, now)
+        real.pump(dcore, pcores, by_endpoint, mem, area, now, sent)
 
     def send(i: int) -> None:
-        for agent, (core, _, j) in pcores.items():
-            if j == i:
+        for agent, (core, _) in pcores.items():
+            if instance_of[agent] == i:
                 core.send_chunk(senders[agent], list(src[:2]), None, now)
                 core.send_chunk(senders[agent], list(src[2:]), STATE_SRC_OF[state] or None, now)
         pump()
@@ -558,15 +543,16 @@ def mixed_rooms(heads: int, tp_d: int, d_rank: int, prefills: list[tuple[int, in
                 mem.add(arr, (r.agent_id, "kv", e))
             for e, arr in enumerate(b.state):
                 mem.add(arr, (r.agent_id, "state", e))
-            pcores[r.agent_id] = (PrefillCore(r.agent_id, r.endpoint, b.args, Config()), b, i)
+            pcores[r.agent_id] = (PrefillCore(r.agent_id, r.endpoint, b.args, Config()), b)
+            instance_of[r.agent_id] = i
             by_endpoint[r.endpoint] = r.agent_id
         addr = f"{host}:8998"
         dcore.topology_fetched(addr, inst, now)
         room = dcore.open_receiver(addr, 100 + i, now)
         dcore.receiver_init(room, R_DST[i], -1, R_STATE[state][i] if state != "none" else None, 0, now)
         rooms.append(room)
-        for agent, (core, _, j) in pcores.items():
-            if j == i:
+        for agent, (core, _) in pcores.items():
+            if instance_of[agent] == i:
                 senders[agent] = core.open_sender(100 + i, now)
                 core.sender_init(senders[agent], 3, -1, now)
         pump()
@@ -700,10 +686,7 @@ def test_rooms_of_both_tps_wait_for_slots_first_come_first_served() -> None:
     out = w.take()
     assert sent_to(out) == [(5, "prefill-0"), (5, "prefill-1")] and not rig.core._slot_waiters
     for room in (b, e):
-        w.write_all(room)
-        w.absorb(rig.succeed(room))
-        w.scatter(room)
-        assert room.poll() is KVPoll.Success
+        w.finish(room)
     w.check()
     assert_nothing_leaks(rig)
 
@@ -938,10 +921,7 @@ def test_a_restarted_sharing_prefill_holds_its_slots_until_the_old_leases_ran_ou
     w.absorb(rig.tick(end))
     assert a.poll() is KVPoll.Failed and state(b) is ReceiverState.WAITING and list(rig.core._slot_waiters) == [c]
     for room in (b, c):
-        w.write_all(room)
-        w.absorb(rig.succeed(room))
-        w.scatter(room)
-        assert room.poll() is KVPoll.Success, room.exception
+        w.finish(room)
     w.check()
     assert_nothing_leaks(rig)
 
@@ -1012,10 +992,7 @@ def test_a_smaller_tp_whose_ranks_hold_as_many_heads_as_the_shaping_ones_is_stag
     assert all(rig.core.registrations[agent].staged for agent in b.ranks) and rig.staging.per_slot(8) == 1
     assert all(rig.registers[agent].tp_size == 8 for agent in b.ranks)
     for room in (a, b):
-        w.write_all(room)
-        w.absorb(rig.succeed(room))
-        w.scatter(room)
-        assert room.poll() is KVPoll.Success
+        w.finish(room)
     w.check()
     assert_nothing_leaks(rig)
 

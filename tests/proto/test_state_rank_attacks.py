@@ -28,6 +28,7 @@ import itertools
 import json
 import struct
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -285,6 +286,48 @@ class Outcome:
     """State bytes each prefill core counted (its ``state_bytes`` stat: the metrics and the in-flight budget)."""
 
 
+def pump(dcore: DecodeCore, pcores: dict[str, tuple[PrefillCore, Buffers]], by_endpoint: dict[str, str],
+         mem: Memory, staging: DecodeStaging | None, now: float,
+         sent: Callable[[str, Any], None] = lambda agent, msg: None,
+         posted: Callable[[str, act.Post, list[Any]], None] = lambda agent, post, done: None) -> None:
+    """Run a decode core and its prefill cores until no action is left: messages cross through the codec
+    (``sent`` sees each of decode's), Scatters copy out of ``staging``, connections and destination checks
+    succeed, and each post becomes descriptors whose bytes ``mem`` copies (``posted`` sees what it wrote)
+    and settles at once."""
+    busy = True
+    while busy:
+        busy = False
+        for a in dcore.actions():
+            busy = True
+            if isinstance(a, act.Send):
+                msg = wire(a.msg)
+                agent = by_endpoint[a.endpoint]
+                sent(agent, msg)
+                pcores[agent][0].receive(msg, now)
+            elif isinstance(a, act.Scatter):
+                assert staging is not None
+                staging.scatter(a.room.pages, a.slices)
+                dcore.scattered(a.room, None, now)
+        for agent, (core, b) in pcores.items():
+            settle = []
+            for a in core.actions():
+                busy = True
+                if isinstance(a, act.Send):
+                    assert a.endpoint == dcore.endpoint, a
+                    dcore.receive(wire(a.msg), now)
+                elif isinstance(a, act.ConnectPeer):
+                    core.peer_connected(a.peer, None, now)
+                elif isinstance(a, CheckDestination):
+                    core.destination_checked(a.token, a.run(), now)
+                elif isinstance(a, act.Post):
+                    peer = core.peers[a.peer]
+                    src, dst = descriptors(b.args, peer.reg, peer.plan, a)
+                    posted(agent, a, mem.copy(src, dst, f"{agent} {a.kind}"))
+                    settle.append(a.post_id)
+            for post_id in settle:
+                core.post_settled(post_id, None, now)
+
+
 def wire(msg: Any) -> Any:
     """Through the codec, as on the wire."""
     return decode([pack(encode(msg))])
@@ -337,51 +380,25 @@ def transfer(geo: Geo, d_rank: int, staged: bool, d_stage: int = 0, seed: int = 
         senders[agent] = core.open_sender(ROOM, now)
         core.sender_init(senders[agent], len(SRC), -1, now)
 
-    def pump() -> None:
-        busy = True
-        while busy:
-            busy = False
-            for a in dcore.actions():
-                busy = True
-                if isinstance(a, act.Send):
-                    msg = wire(a.msg)
-                    agent = by_endpoint[a.endpoint]
-                    if isinstance(msg, Register):
-                        out.registers[agent] = msg
-                    elif isinstance(msg, TransferInfo):
-                        out.infos[agent] = msg
-                    pcores[agent][0].receive(msg, now)
-                elif isinstance(a, act.Scatter):
-                    assert staging is not None
-                    staging.scatter(a.room.pages, a.slices)
-                    dcore.scattered(a.room, None, now)
-            for agent, (core, b) in pcores.items():
-                settle = []
-                for a in core.actions():
-                    busy = True
-                    if isinstance(a, act.Send):
-                        assert a.endpoint == DEC_EP, a
-                        dcore.receive(wire(a.msg), now)
-                    elif isinstance(a, act.ConnectPeer):
-                        core.peer_connected(a.peer, None, now)
-                    elif isinstance(a, CheckDestination):
-                        core.destination_checked(a.token, a.run(), now)
-                    elif isinstance(a, act.Post):
-                        peer = core.peers[a.peer]
-                        src, dst = descriptors(b.args, peer.reg, peer.plan, a)
-                        done = mem.copy(src, dst, f"{agent} {a.kind}")
-                        if a.kind == "state":
-                            out.state_posts[agent] += 1
-                            out.state_writes += [(agent, *d) for d in done]
-                        settle.append(a.post_id)
-                for post_id in settle:
-                    core.post_settled(post_id, None, now)
+    def sent(agent: str, msg: Any) -> None:
+        if isinstance(msg, Register):
+            out.registers[agent] = msg
+        elif isinstance(msg, TransferInfo):
+            out.infos[agent] = msg
 
-    pump()
+    def posted(agent: str, post: act.Post, done: list[Any]) -> None:
+        if post.kind == "state":
+            out.state_posts[agent] += 1
+            out.state_writes += [(agent, *d) for d in done]
+
+    def run() -> None:
+        pump(dcore, pcores, by_endpoint, mem, staging, now, sent, posted)
+
+    run()
     for agent, (core, _) in pcores.items():
         core.send_chunk(senders[agent], SRC[:2], None, now)
         core.send_chunk(senders[agent], SRC[2:], STATE_SRC[geo.state] if state_dst else None, now)
-    pump()
+    run()
     out.state_bytes.update({agent: core.stats["state_bytes"] for agent, (core, _) in pcores.items()})
     out.final = room.state
     out.wrong = check_decode(model, dec)
