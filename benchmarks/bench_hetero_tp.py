@@ -25,10 +25,10 @@ itself.
 TP1, split by heads: 256 KiB a request and layer, 8 MiB a request beside its 64 MiB of KV), sent
 with the last chunk; equal TP and TP2 -> TP1 only (results/hetero_tp_mamba.json).
 
-``--mixed``: a decode fed by prefills at two TPs. TP4 -> TP1 staged in an area the TP4 shaped
-itself, staged in one a TP2 prefill shaped (the TP2 registers and serves a room first: each slot
-then holds two TP4 ranks' pages), and per token, which is what TP4 got beside a TP2 until
-2026-12-07 (results/hetero_tp_mixed.json).
+``--mixed``: a decode fed by prefills at two TPs, the other one registering and serving a room
+first: TP4 -> TP1 beside a TP2 prefill, and TP2 -> TP1 beside a TP4 one (until 2026-12-07 the
+first TP shaped the slots to its own slice and the second went per token: TP2 after TP4 did not
+fit), each against per token (results/hetero_tp_mixed.json).
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ CASES = [("TP1 -> TP1", 1, 1, {}), ("TP1 -> TP2, staged", 1, 2, {}),
          ("TP2 -> TP1, staged on decode", 2, 1, {"decode_staging_bytes": DECODE_STAGING}),
          ("TP2 -> TP1, per token (decode staging off)", 2, 1, {"decode_staging_bytes": 0})]
 MIXED = [("TP1 -> TP1", 1, 1, {}),
-         ("TP4 -> TP1, staged (TP4 shaped the area)", 4, 1, {"decode_staging_bytes": DECODE_STAGING}),
-         ("TP4 -> TP1, staged beside a TP2 prefill (it shaped the area: 2 pages a slot)", 4, 1,
+         ("TP4 -> TP1, staged beside a TP2 prefill that registered first", 4, 1,
           {"decode_staging_bytes": DECODE_STAGING, "shaper": 2}),
-         ("TP4 -> TP1, per token (beside a TP2 prefill before 2026-12-07)", 4, 1, {"decode_staging_bytes": 0})]
+         ("TP2 -> TP1, staged beside a TP4 prefill that registered first", 2, 1,
+          {"decode_staging_bytes": DECODE_STAGING, "shaper": 4}),
+         ("TP4 -> TP1, per token (decode staging off)", 4, 1, {"decode_staging_bytes": 0}),
+         ("TP2 -> TP1, per token (decode staging off)", 2, 1, {"decode_staging_bytes": 0})]
 
 
 MAMBA_HEADS, MAMBA_ROW = 32, 64 * 64 * 2

@@ -9,11 +9,10 @@ either side of the wire. When every sender of a room has succeeded, the room is 
 the pump copies each slot's rows into the slice of its page's token rows (``Scatter``) and
 answers ``scattered``; only then is it Succeeded, and its slots are given back as it finishes.
 The PP stages of one prefill TP rank share its slots: each writes its own layers' entries of them.
-Prefills at several larger TPs share the area where their slices fit the slots the first one shaped:
-ranks holding ``r`` times fewer heads than a slot put ``r`` of their pages in it, ``r`` TP ranks of a
-room sharing its slots, each with a run of pages of its own (``StagingSlots.part``). Ranks holding
-more heads than a slot (a smaller TP: TP2 after TP4 over 8 heads), or a share that does not divide
-it, are written per token, with a warning.
+Prefills at several larger TPs share the area: ranks holding ``r`` times fewer heads than a slot
+(half ours, see the service) put ``r`` of their pages in it, ``r`` TP ranks of a room sharing its
+slots, each with a run of pages of its own (``StagingSlots.part``). Ranks holding more heads than a
+slot, or a share that does not divide it (odd head counts), are written per token, with a warning.
 
 A room whose staged ranks find too few free slots waits in ``RESOLVING`` (first come, first
 served) until a finishing room gives its slots back; a room needing more slots than the area
@@ -147,9 +146,8 @@ class StagingRules(Core):
             return self.staging.register_fields(rank)
         if (rank.tp_rank, rank.pp_rank) == (0, 0) and instance.tp_size > self.kv_args.tp_size:  # (once an instance)
             log.warning("prefill %s (TP %d) writes into this rank per token, one descriptor per token and entry: its "
-                        "ranks' pages do not fit the decode staging area, whose slots the first larger prefill TP "
-                        "registered with shaped (ranks holding more heads than a slot, or a share that does not "
-                        "divide it, go per token)", addr, instance.tp_size)
+                        "ranks' pages do not fit the decode staging area's slots (ranks holding more heads than a "
+                        "slot, or a share that does not divide it, go per token)", addr, instance.tp_size)
         return None
 
     def _take_slots(self, room: ReceiverRoom, staged: list[PrefillRank], now: float) -> bool:

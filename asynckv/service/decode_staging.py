@@ -2,14 +2,15 @@
 
 The rules (which rooms take slots, when they are given back) are ``asynckv.proto.decode_staging``;
 this is the memory. One DRAM buffer, registered with the rank's NIXL agent like its KV
-(``np.empty``: address space until used). The first prefill TP larger than ours that is seen
-fixes the shape: slot ``k`` of entry ``e`` is ``item[e] * their_heads / our_heads`` bytes at
-``base[e] + k * that``, and the area holds ``capacity // sum(those)`` slots. A prefill at another TP
-larger than ours whose ranks hold ``1/r`` of a slot's heads (``r`` whole; 1 where TPs past the head
-count replicate heads) shares the slots: it is told the area is pages of its own size, ``r`` to a
-slot, and ``r`` of its TP ranks share a room's slots, each a run of its own (``part``). Ranks
-holding more heads than a slot (a smaller TP than the one that shaped it: TP2 after TP4 over 8
-heads), or a share that does not divide it, are written per token, as without staging.
+(``np.empty``: address space until used). The first prefill TP larger than ours that registers
+shapes it: a slot holds ``slot_heads`` heads of one page, half ours (the largest slice any larger
+TP sends) where that TP's ranks' heads divide the half, else their own; slot ``k`` of entry ``e``
+is ``item[e] * slot_heads / our_heads`` bytes at ``base[e] + k * that``, and the area holds
+``capacity // sum(those)`` slots. A prefill whose ranks hold ``1/r`` of a slot's heads (``r`` whole)
+is told the area is pages of its own size, ``r`` to a slot, and ``r`` of its TP ranks share a room's
+slots, each a run of pages of its own (``part``): a room takes the bytes it would in slots of its
+own shape. Ranks holding more heads than a slot, or a share that does not divide it (odd head
+counts: TP3 after TP2 over 6 heads), are written per token, as without staging.
 
 Which entries a rank writes is the prefill's business (pairing by layer id): before a room's
 destination goes out, the first 16 bytes of each of its slots in every entry get a marker drawn
@@ -69,7 +70,9 @@ class DecodeStaging:
         self._items = np.asarray(args.kv_item_lens, dtype=np.uint64)
         self._marker = np.frombuffer(secrets.token_bytes(MARK), dtype=np.uint8)
         self.tp_prefill: int | None = None
-        """The prefill TP the slots are shaped for (None: not yet)."""
+        """The first prefill TP larger than ours that registered: it shaped the slots (None: not yet)."""
+        self.slot_heads: int | None = None
+        """The heads of one page a slot holds: half ours, or that TP's ranks' (``_shape_for``)."""
         self.slot_items = np.zeros(len(self._items), dtype=np.uint64)
         self._bases = np.zeros(len(self._items), dtype=np.uint64)
         """Offset of each entry's first slot in the buffer."""
@@ -87,18 +90,29 @@ class DecodeStaging:
         return self._slots
 
     def usable(self, tp_prefill: int) -> bool:
-        if self.tp_prefill is not None:
-            return self._per_slot(tp_prefill) is not None
+        if self.slot_heads is None and not self._shape_for(tp_prefill):
+            return False
+        return self._per_slot(tp_prefill) is not None
+
+    def _shape_for(self, tp_prefill: int) -> bool:
+        """Shape the slots, once, when the first prefill TP larger than ours registers: half our heads
+        (the largest slice a larger TP sends, so every larger TP whose ranks' heads divide it shares the
+        slots: a room takes the same bytes of them as in slots of its own shape) where this TP's ranks'
+        heads divide that half, else this TP's own slice. False (and unshaped) where staging cannot
+        serve this TP: its ranks hold no fewer heads than ours, our items are not whole heads of whole
+        pages, a page of its ranks would not cover a slot's marker, or not one slot fits."""
         a = self.args
         theirs, ours = self._heads(tp_prefill), a.kv_head_num
         if tp_prefill <= a.tp_size or ours <= theirs or not len(self._items) \
                 or np.any(self._items % np.uint64(a.page_size * ours)):
             return False
-        slot_items = self._items // np.uint64(ours) * np.uint64(theirs)
+        head = self._items // np.uint64(ours)  # (per entry: one head of one page)
+        heads = ours // 2 if ours % 2 == 0 and (ours // 2) % theirs == 0 else theirs
+        slot_items = head * np.uint64(heads)
         slots = self.capacity // int(slot_items.sum())
-        if slots < 1 or int(slot_items.min()) < MARK:
+        if slots < 1 or int(head.min()) * theirs < MARK:
             return False
-        self.tp_prefill, self.slot_items, self._slots = tp_prefill, slot_items, slots
+        self.tp_prefill, self.slot_heads, self.slot_items, self._slots = tp_prefill, heads, slot_items, slots
         self._bases = np.concatenate(([0], np.cumsum(slot_items[:-1] * np.uint64(slots)))).astype(np.uint64)
         self._free = [(0, slots)]
         item = int(slot_items[0])
@@ -111,13 +125,13 @@ class DecodeStaging:
         return max(1, self.args.total_kv_head_num // tp_prefill)
 
     def _per_slot(self, tp_prefill: int) -> int | None:
-        """How many pages of a ``tp_prefill`` rank one slot spans (1 for the TP that shaped the area), or
-        None where its pages do not fit a slot evenly: it holds no fewer heads than the slot, or a share
-        of them that does not divide it, or its page would not cover a slot's marker."""
+        """How many pages of a ``tp_prefill`` rank one slot spans, or None where its pages do not fit a
+        slot evenly: it holds more heads than the slot, or a share of them that does not divide it, or
+        its page would not cover a slot's marker."""
         a = self.args
-        if self.tp_prefill is None or tp_prefill <= a.tp_size:
+        if self.slot_heads is None or tp_prefill <= a.tp_size:
             return None
-        theirs, shaped = self._heads(tp_prefill), self._heads(self.tp_prefill)
+        theirs, shaped = self._heads(tp_prefill), self.slot_heads
         if theirs > shaped or shaped % theirs or int(self.slot_items.min()) // (shaped // theirs) < MARK:
             return None
         return shaped // theirs

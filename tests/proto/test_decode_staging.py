@@ -139,29 +139,31 @@ def test_abort_of_a_room_being_copied_changes_nothing() -> None:
 
 
 @pytest.mark.parametrize("tp_prefill, usable", [(1, False), (2, True), (4, True), (8, True), (16, True)])
-def test_the_area_is_shaped_once_for_a_prefill_tp_that_holds_fewer_heads(tp_prefill: int, usable: bool) -> None:
-    """The first usable TP shapes the slots; a later TP shares them where its ranks hold no more heads
-    (a slot is then several of its pages: it is told the first one's index), else it goes per token."""
+def test_the_area_is_shaped_once_for_half_our_heads_and_every_larger_tp_shares_it(tp_prefill: int,
+                                                                                   usable: bool) -> None:
+    """Whatever larger TP registers first, slots hold half our heads (the largest slice a larger TP sends);
+    every larger TP then shares them, its pages of its own size, ``4 / its heads`` to a slot; TP1 does not."""
     rig = Rig()
     assert rig.staging.usable(tp_prefill) is usable  # (16: one head per rank, each held by two ranks)
     if not usable:
         return
-    shaped = max(1, HEADS // tp_prefill)
-    assert rig.staging.slot_items.tolist() == [ITEM * shaped // HEADS] * (2 * LAYERS)
+    assert rig.staging.tp_prefill == tp_prefill and rig.staging.slot_heads == HEADS // 2
+    assert rig.staging.slot_items.tolist() == [ITEM // 2] * (2 * LAYERS)
     slots = np.array([0, 1, 5], dtype=np.int32)
     for later in (1, 2, 4, 8, 16):
         heads = max(1, HEADS // later)
-        assert rig.staging.usable(later) is (later > 1 and heads <= shaped), later
-        if later > 1 and heads <= shaped:
+        assert rig.staging.usable(later) is (later > 1), later
+        if later > 1:
             fields = rig.staging.register_fields(prank(later, later - 1))
             assert fields["kv_item_lens"] == (ITEM * heads // HEADS,) * (2 * LAYERS)
-            assert fields["kv_lens"] == (ITEM * shaped // HEADS * rig.staging.slots,) * (2 * LAYERS)  # the same area
+            assert fields["kv_lens"] == (ITEM // 2 * rig.staging.slots,) * (2 * LAYERS)  # the same area
             assert (fields["tp_size"], fields["engine_rank"], fields["kv_head_num"]) == (later, later - 1, heads)
-            assert rig.staging.per_slot(later) == shaped // heads
-            r = shaped // heads  # (slots 0-1 and 5: two runs; the last of r ranks gets the last block of each)
+            r = 4 // heads
+            assert rig.staging.per_slot(later) == r
+            # (slots 0-1 and 5: two runs; the last of r ranks gets the last block of each)
             assert rig.staging.part(prank(later, 0), slots, r - 1).indices.tolist() == [2 * r - 2, 2 * r - 1, 6 * r - 1]
-            with pytest.raises(LocalProtocolError, match="page"):
-                rig.staging.part(prank(later, 0), slots, shaped // heads)
+            with pytest.raises(LocalProtocolError, match="rank"):
+                rig.staging.part(prank(later, 0), slots, r)
         else:
             with pytest.raises(LocalProtocolError, match=f"TP {later}"):
                 rig.staging.register_fields(prank(later, 0))

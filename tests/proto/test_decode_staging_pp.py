@@ -625,11 +625,12 @@ def test_pp_tp16_replicated_heads_take_slots_for_real_tp_ranks_only() -> None:
     assert_nothing_leaks(rig)
 
 
-@pytest.mark.parametrize("first, later, per_slot", [(2, 3, None), (2, 6, 3), (3, 6, 2), (3, 2, None), (6, 12, 1),
+@pytest.mark.parametrize("first, later, per_slot", [(2, 3, None), (2, 6, 3), (3, 6, 2), (3, 2, None), (6, 12, 3),
                                                     (2, 1, None)])
 def test_a_later_tp_shares_the_slots_only_where_its_heads_divide_the_first_tps(first: int, later: int,
                                                                                per_slot: int | None) -> None:
-    """6 heads at decode TP1: TP2 ranks hold 3, TP3 ranks 2, TP6 one. A later TP's pages fit a slot only
+    """6 heads at decode TP1: TP2 ranks hold 3, TP3 ranks 2, TP6 one. Slots hold 3 heads (half ours) where
+    the first TP's ranks' heads divide 3, else theirs (TP3 first: 2). A later TP's pages fit a slot only
     where its heads divide the slot's (TP2 then TP3: 3 heads a slot, 2 a page, is refused)."""
     kv = [np.zeros(8 * PAGE * 6 * 16, dtype=np.uint8) for _ in range(2)]
     st = DecodeStaging(1 << 16, _nonuniform_args(kv, 6, [16, 16]))

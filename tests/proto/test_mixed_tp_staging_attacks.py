@@ -1,7 +1,7 @@
 """Adversarial checks of a decode staging area shared by two prefill TPs: the first larger prefill TP a
-decode rank registers with shapes the slots; another larger TP whose ranks hold ``r`` times fewer heads
-(``r`` >= 1) registers the area as pages of its own size, ``r`` to a slot, and ``r`` of its ranks share
-each slot.
+decode rank registers with shapes the slots (half the decode rank's heads where that TP's ranks' heads
+divide the half, else theirs); a TP whose ranks hold ``r`` times fewer heads than a slot (``r`` >= 1)
+registers the area as pages of its own size, ``r`` to a slot, and ``r`` of its ranks share each slot.
 
 Written by a reviewer briefed only with the feature's promises. Two harnesses:
 
@@ -187,10 +187,11 @@ class World:
         return self.take()
 
     def finish(self, room: ReceiverRoom) -> None:
-        """Every real rank writes honestly and succeeds, and the room's copy runs: it has succeeded."""
+        """Every real rank writes honestly and succeeds, and the room's copy runs (if staged): it has succeeded."""
         self.write_all(room)
         self.absorb(self.rig.succeed(room))
-        self.scatter(room)
+        if room.state is ReceiverState.SCATTERING:
+            self.scatter(room)
         assert room.poll() is KVPoll.Success, room.exception
 
     def check(self) -> None:
@@ -244,20 +245,21 @@ def check_slots(rig: MixRig, rooms: list[ReceiverRoom]) -> None:
 
 # -- 1. every order of two prefill TPs: the bytes are per token's --------------------------------------------------
 
-ORDERS = [  # (heads, decode TP, decode rank, first TP, later TP, per slot of the later one; 0: per token)
-    (8, 1, 0, 2, 4, 2), (8, 1, 0, 2, 8, 4), (8, 1, 0, 4, 8, 2), (8, 1, 0, 2, 16, 4), (8, 1, 0, 8, 16, 1),
-    (8, 1, 0, 4, 2, 0), (8, 1, 0, 8, 2, 0), (8, 1, 0, 16, 2, 0), (8, 1, 0, 4, 4, 1),
-    (8, 2, 1, 4, 8, 2), (8, 2, 0, 4, 16, 2), (8, 2, 1, 8, 4, 0),
-    (6, 1, 0, 2, 3, 0), (6, 1, 0, 2, 6, 3), (6, 1, 0, 3, 6, 2), (6, 1, 0, 2, 12, 3), (6, 1, 0, 6, 2, 0),
-    (6, 1, 0, 3, 2, 0), (6, 2, 1, 6, 12, 1), (12, 1, 0, 4, 6, 0), (12, 1, 0, 2, 4, 2), (12, 1, 0, 4, 12, 3),
-    (12, 2, 1, 4, 12, 3), (12, 3, 2, 6, 12, 2),
+ORDERS = [  # (heads, decode TP, decode rank, first TP, later TP, pages a slot holds of the first's ranks and
+    # of the later's (0: per token)). Slots hold half the decode rank's heads where the first's divide that.
+    (8, 1, 0, 2, 4, 1, 2), (8, 1, 0, 2, 8, 1, 4), (8, 1, 0, 4, 8, 2, 4), (8, 1, 0, 2, 16, 1, 4),
+    (8, 1, 0, 8, 16, 4, 4), (8, 1, 0, 4, 2, 2, 1), (8, 1, 0, 8, 2, 4, 1), (8, 1, 0, 16, 2, 4, 1),
+    (8, 1, 0, 4, 4, 2, 2), (8, 2, 1, 4, 8, 1, 2), (8, 2, 0, 4, 16, 1, 2), (8, 2, 1, 8, 4, 2, 1),
+    (6, 1, 0, 2, 3, 1, 0), (6, 1, 0, 2, 6, 1, 3), (6, 1, 0, 3, 6, 1, 2), (6, 1, 0, 2, 12, 1, 3),
+    (6, 1, 0, 6, 2, 3, 1), (6, 1, 0, 3, 2, 1, 0), (6, 2, 1, 6, 12, 1, 1), (12, 1, 0, 4, 6, 2, 3),
+    (12, 1, 0, 2, 4, 1, 2), (12, 1, 0, 4, 12, 2, 6), (12, 2, 1, 4, 12, 1, 3), (12, 3, 2, 6, 12, 1, 2),
 ]
 
 
-@pytest.mark.parametrize("heads, tp, rank, first, later, r", ORDERS,
-                         ids=[f"h{h}-d{t}r{k}-tp{a}then{b}" for h, t, k, a, b, _ in ORDERS])
+@pytest.mark.parametrize("heads, tp, rank, first, later, r_first, r", ORDERS,
+                         ids=[f"h{h}-d{t}r{k}-tp{a}then{b}" for h, t, k, a, b, *_ in ORDERS])
 def test_two_prefill_tps_in_flight_land_per_token_bytes(heads: int, tp: int, rank: int, first: int, later: int,
-                                                         r: int) -> None:
+                                                         r_first: int, r: int) -> None:
     """A TP ``first`` room registers first (shaping the area), then a TP ``later`` room; both in flight at once.
     The later one shares the slots ``r`` to a slot or (0) registers per token; every rank's heads land in its
     slice of each token row, nothing else changes, slots come and go as promised."""
@@ -280,7 +282,8 @@ def test_two_prefill_tps_in_flight_land_per_token_bytes(heads: int, tp: int, ran
         assert not staged_b
         assert all(rig.registers[agent].kv_ptrs == tuple(rig.core.kv_args.kv_data_ptrs) for agent in real_b)
     real_a = [agent for agent, p in a.ranks.items() if not p.dummy]
-    held = 3 * len(real_a) + (5 * -(-len(real_b) // r) if r else 0)
+    assert rig.staging.per_slot(first) == r_first
+    held = 3 * -(-len(real_a) // r_first) + (5 * -(-len(real_b) // r) if r else 0)
     assert rig.staging.slots - rig.staging.free_slots == held
     check_slots(rig, [a, b])
     w.write_all(b)
@@ -620,7 +623,9 @@ def test_rooms_of_two_prefill_tps_through_real_prefill_cores_land_as_per_token(
     assert not per_token_bad, per_token_bad[:6]
     assert not staged_bad, staged_bad[:6]
     assert area is not None and area.tp_prefill == prefills[0][0]
-    shaped = max(1, heads // prefills[0][0])
+    ours, first = heads // tp_d, max(1, heads // prefills[0][0])
+    shaped = ours // 2 if ours % 2 == 0 and ours // 2 % first == 0 else first  # (half ours where it can)
+    assert area.slot_heads == shaped
     for agent, reg in registers.items():
         tp = prefills[int(agent[1])][0]
         theirs = max(1, heads // tp)
@@ -978,20 +983,52 @@ def test_a_sharing_tps_room_without_pages_takes_no_slot_and_does_not_queue() -> 
     assert_nothing_leaks(rig)
 
 
-def test_a_smaller_tp_whose_ranks_hold_as_many_heads_as_the_shaping_ones_is_staged_one_to_a_slot() -> None:
-    """8 heads: TP16 (replicated, 1 head a rank) shaped the area; TP8 ranks hold 1 head too. Promise 3 as briefed
-    says a smaller TP goes per token; the rules decide by heads (it fits the slots exactly: one page a slot).
-    Pinned here as the rules have it, with the bytes checked against per token."""
-    rig = MixRig(8, 16, slots=40)
+def test_ranks_holding_more_heads_than_a_slot_write_per_token_with_a_warning_and_do_not_queue(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """6 heads: a TP3 prefill (2 heads a rank, which do not divide half of 6) shapes slots of 2 heads; a TP2
+    prefill (3 heads a rank) comes later: its ranks register as what they are, write per token into the
+    decode's pages (a warning names it, once), and its room does not wait while the area is full."""
+    rig = MixRig(6, 3, slots=3)
+    w = World(rig)
+    a = rig.room(1, [0])  # (3 ranks, one page each: the whole area)
+    w.absorb(rig.register_all())
+    assert rig.staging.slot_heads == 2 and rig.staging.free_slots == 0
+    rig.add(2)
+    b = rig.room(2, [5, 6], addr=ADDR_B)
+    with caplog.at_level(logging.WARNING, logger="asynckv.decode"):
+        out = rig.register_all()
+    w.absorb(out)
+    [warning] = [r.getMessage() for r in caplog.records if "per token" in r.getMessage()]  # (once, not per rank)
+    assert f"prefill {ADDR_B} (TP 2) writes into this rank per token" in warning
+    sent = [(m.room, m.prefill_id, m.dst_pages.tolist()) for a_ in out if isinstance(a_, act.Send)
+            and isinstance(m := a_.msg, TransferInfo)]
+    assert sorted(sent) == [(2, "late-0", [5, 6]), (2, "late-1", [5, 6])]  # its real pages: no slots
+    assert all(rig.registers[f"late-{t}"].tp_size == 1 for t in range(2))
+    for room in (b, a):
+        w.finish(room)
+    w.check()
+    assert_nothing_leaks(rig)
+
+
+def test_smaller_tps_registering_after_the_largest_stage_too_since_slots_hold_half_the_decodes_heads() -> None:
+    """8 heads: TP16 (replicated, 1 head a rank) registers first, yet the slots hold 4 heads (half the decode
+    rank's), so a TP2 (4 heads a rank: one page a slot) and a TP8 (1 head: four) that come later stage too,
+    with three rooms in flight; a TP16 room takes as many bytes of slots as a TP2 one."""
+    rig = MixRig(8, 16, slots=160)  # (160 slots of a TP16 page: 40 of 4 heads)
     w = World(rig)
     a = rig.room(1, [0, 1])
     w.absorb(rig.register_all())
-    rig.add(8)
+    assert rig.staging.slot_heads == 4 and rig.staging.slots == 40
+    assert rig.staging.free_slots == 40 - 2 * 2  # (8 real ranks, 4 to a slot)
+    rig.add(2)
     b = rig.room(2, [5, 6, 7], addr=ADDR_B)
+    rig.add(8, addr="10.0.0.3:8998", prefix="third")
+    c = rig.room(3, [9, 10], addr="10.0.0.3:8998")
     w.absorb(rig.register_all())
-    assert all(rig.core.registrations[agent].staged for agent in b.ranks) and rig.staging.per_slot(8) == 1
-    assert all(rig.registers[agent].tp_size == 8 for agent in b.ranks)
-    for room in (a, b):
+    assert all(rig.core.registrations[agent].staged for room in (b, c) for agent in room.ranks)
+    assert (rig.staging.per_slot(2), rig.staging.per_slot(8), rig.staging.per_slot(16)) == (1, 4, 4)
+    assert rig.staging.free_slots == 40 - 2 * 2 - 3 * 2 - 2 * 2
+    for room in (c, a, b):
         w.finish(room)
     w.check()
     assert_nothing_leaks(rig)
