@@ -121,6 +121,8 @@ class StagingRules(Core):
         """Rooms waiting for free slots, in arrival order."""
         self._batching = 0
         self._retry_due = False
+        self._told_per_token: dict[str, PrefillInstance] = {}
+        """The instance at each address whose ranks were found to go per token (warned once)."""
 
     @contextlib.contextmanager
     def _failing_several(self, now: float) -> Iterator[None]:
@@ -144,7 +146,8 @@ class StagingRules(Core):
             return None
         if self.staging.usable(instance.tp_size):
             return self.staging.register_fields(rank)
-        if (rank.tp_rank, rank.pp_rank) == (0, 0) and instance.tp_size > self.kv_args.tp_size:  # (once an instance)
+        if instance.tp_size > self.kv_args.tp_size and self._told_per_token.get(addr) is not instance:
+            self._told_per_token[addr] = instance  # (once an instance, whichever of its ranks we pair with)
             log.warning("prefill %s (TP %d) writes into this rank per token, one descriptor per token and entry: its "
                         "ranks' pages do not fit the decode staging area's slots (ranks holding more heads than a "
                         "slot, or a share that does not divide it, go per token)", addr, instance.tp_size)
