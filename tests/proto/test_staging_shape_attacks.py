@@ -360,7 +360,7 @@ def test_a_per_token_prefill_with_two_dp_groups_is_named_once(warnings: Warnings
 
 def test_a_decode_pp_stage_1_warns_about_a_per_token_prefill(warnings: Warnings) -> None:
     """Decode PP2 stage 1 (equal PP: it registers with the prefill's stage 1 only), 6 heads, slots shaped by TP3;
-    a TP2 PP2 prefill goes per token: stage 1 must name it once, and logs nothing."""
+    a TP2 PP2 prefill goes per token: stage 1 names it once (the first version logged nothing)."""
     rig = AreaRig(6, 3, 4, pp=2, pp_rank=1)
     rig.add(3, addr="10.0.0.3:8998", prefix="shaper", pp=2)
     rig.core.preconnect("10.0.0.3:8998", rig.now)
