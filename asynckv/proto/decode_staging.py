@@ -81,10 +81,11 @@ class StagingSlots(Protocol):
         """The fields of our ``Register`` that describe the area to ``rank`` as its own TP's pages."""
 
     def per_slot(self, tp_prefill: int) -> int:
-        """How many pages of a rank at this (usable) TP one slot holds: 1 for the TP that shaped the area."""
+        """How many pages of a rank at this (usable) TP one slot holds: the slot's heads over the rank's."""
 
     def part(self, rank: PrefillRank, slots: I32, sub: int) -> StagedSlice:
-        """What ``rank`` writes: page ``sub`` of each of ``slots``, marked unwritten (see the service)."""
+        """``rank``'s pages in ``slots`` (``sub``: its place among the ``per_slot`` TP ranks sharing them),
+        marked unwritten (see the service)."""
 
     @property
     def slots(self) -> int:
