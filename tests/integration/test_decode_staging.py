@@ -197,10 +197,12 @@ async def test_a_failing_copy_fails_the_room_only_once_every_copy_of_it_ended(mo
         assert staging.free_slots == staging.slots
 
 
-async def test_a_tp4_prefill_shares_the_slots_a_tp2_prefill_shaped_two_of_its_ranks_to_a_slot() -> None:
-    """A TP1 decode fed by a TP2 prefill (which shapes the area: half a page a slot) and a TP4 one (a
-    head a rank): the TP4 ranks register the area as quarter pages, two to a slot, so its rooms take
-    as many slots as the TP2's. Rooms of both in flight at once land byte for byte."""
+@pytest.mark.parametrize("first_tp", [2, 4])
+async def test_a_tp2_and_a_tp4_prefill_share_the_slots_whichever_registers_first(first_tp: int) -> None:
+    """A TP1 decode fed by a TP2 prefill (two heads a rank) and a TP4 one (a head a rank): slots hold half
+    a page (two heads) whichever registers first; the TP4 ranks register the area as quarter pages, two
+    to a slot, so its rooms take as many slots as the TP2's. Rooms of both in flight at once land byte
+    for byte."""
     cfg = Config(**CONTROL, host_bootstrap=False, waiting_timeout_s=20, decode_staging_bytes=16 * ITEM)
     async with BootstrapServer("127.0.0.1", 0) as s2, BootstrapServer("127.0.0.1", 0) as s4, \
             contextlib.AsyncExitStack() as stack:
@@ -216,17 +218,17 @@ async def test_a_tp4_prefill_shares_the_slots_a_tp2_prefill_shaped_two_of_its_ra
         decode = await stack.enter_async_context(KVManager(
             Mode.DECODE, dpool.kv_args(PAGE, kv_head_num=HEADS, total_kv_head_num=HEADS), config=cfg))
         staging = staging_of(decode)
-        first, src = groups[0], [0, 1]
-        receiver, _ = await start_room(first[0], decode, first[2], 1, src, [2, 3])  # the TP2 shapes the area
+        first = groups[first_tp // 4]
+        receiver, _ = await start_room(first[0], decode, first[2], 1, [0, 1], [2, 3])  # (it shapes the area)
         assert await receiver.wait(10) == KVPoll.Success  # type: ignore[attr-defined]
-        assert staging.slots == 16 and staging.per_slot(4) == 2
+        assert staging.tp_prefill == first_tp and staging.slots == 16 and staging.per_slot(4) == 2
         rooms = [(10, 1, [3, 4, 5], [9, 0, 1]), (11, 0, [6, 7], [12, 13]), (12, 1, [8, 9], [14, 6])]
         for room, g, src, _ in rooms:
             for r, pool in enumerate(groups[g][1]):
                 fill_pages(pool, room * 10 + r, src)
         started = [await start_room(groups[g][0], decode, groups[g][2], room, src, dst) for room, g, src, dst in rooms]
         regs = decode._svc.core.registrations  # type: ignore[union-attr]
-        assert all(regs[m.name].staged for m in groups[1][0])
+        assert all(regs[m.name].staged for g in groups for m in g[0])
         for (receiver, senders), (room, g, src, dst) in zip(started, rooms, strict=True):
             assert await receiver.wait(10) == KVPoll.Success, receiver.failure_reason  # type: ignore[attr-defined]
             assert [await s.wait(10) for s in senders] == [KVPoll.Success] * len(senders)  # type: ignore[attr-defined]
