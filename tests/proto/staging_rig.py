@@ -67,8 +67,8 @@ def instance(tp_size: int, prefix: str = "prefill", host: str = "10.0.0.1", pp_s
 
 
 class Rig:
-    """A decode core (TP ``tp``, this rank ``engine_rank``) with a staging area of ``slots`` slots for a
-    TP ``tp_prefill`` prefill at ``ADDR``."""
+    """A decode core (TP ``tp``, this rank ``engine_rank``) with a staging area as large as ``slots`` pages of
+    a rank of the TP ``tp_prefill`` prefill at ``ADDR`` (slots hold half our heads: past TP2, fewer and larger)."""
 
     def __init__(self, slots: int = 8, tp_prefill: int = 2, tp: int = 1, engine_rank: int = 0,
                  config: Config | None = None, pp_prefill: int = 1, nsa: bool = False) -> None:
