@@ -76,11 +76,15 @@ class Rig:
         self.nsa = np.zeros((LAYERS, PAGES * 64), dtype=np.uint8) if nsa else None
         args = decode_args(self.kv, tp, engine_rank, self.nsa)
         per_slot = ENTRIES * ITEM * max(1, HEADS * tp // tp_prefill) // HEADS
-        self.staging = DecodeStaging(slots * per_slot, args)
-        register = decode_register(args)
+        self._start(args, slots * per_slot, config, tp_prefill, pp_prefill)
+
+    def _start(self, args: KVArgs, staging_bytes: int, config: Config | None, tp_prefill: int,
+               pp_prefill: int) -> None:
+        """The area, the core and the TP ``tp_prefill`` instance at ``ADDR``, for a rank with ``args``."""
+        self.staging = DecodeStaging(staging_bytes, args)
         self.config = config or Config()
-        self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, self.config, register, itertools.count(1),
-                               self.staging)
+        self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, self.config, decode_register(args),
+                               itertools.count(1), self.staging)
         self.now = 0.0
         self.inst = instance(tp_prefill, pp_size=pp_prefill)
         self.core.topology_fetched(ADDR, self.inst, self.now)

@@ -47,12 +47,10 @@ from .staging_rig import (
     ADDR_B,
     ENTRIES,
     HEAD_BYTES,
-    ME,
     PAGE,
     PAGES,
     Rig,
     assert_nothing_leaks,
-    decode_register,
     instance,
 )
 from .test_state_rank_attacks import Buffers, Geo, Memory, Model, build
@@ -76,17 +74,7 @@ class MixRig(Rig):
                       kv_data_lens=[self.kv[0].nbytes] * ENTRIES, kv_item_lens=[item] * ENTRIES, aux_data_ptrs=[],
                       aux_data_lens=[], aux_item_lens=[], page_size=PAGE, tp_size=tp, engine_rank=engine_rank,
                       kv_head_num=self.hd, total_kv_head_num=heads)
-        self.staging = DecodeStaging(slots * ENTRIES * PAGE * max(1, heads // first) * HB, args)
-        register = decode_register(args)
-        self.config = config or Config()
-        self.core = DecodeCore(ME, "tcp://10.0.0.9:5000", args, self.config, register, itertools.count(1),
-                               self.staging)
-        self.now = 0.0
-        self.inst = instance(first, pp_size=pp_first)
-        self.core.topology_fetched(ADDR, self.inst, self.now)
-        self.out: list[act.Action] = []
-        self.sessions: dict[str, int] = {}
-        self.registers: dict[str, Register] = {}
+        self._start(args, slots * ENTRIES * PAGE * max(1, heads // first) * HB, config, first, pp_first)
 
     def add(self, tp: int, addr: str = ADDR_B, prefix: str = "late", pp: int = 1) -> None:
         """A second prefill instance (TP ``tp``) at ``addr``."""
