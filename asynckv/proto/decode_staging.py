@@ -123,7 +123,8 @@ class StagingRules(Core):
         self._batching = 0
         self._retry_due = False
         self._told_per_token: dict[str, PrefillInstance] = {}
-        """The instance at each address whose ranks were found to go per token (warned once)."""
+        """The instance at each address whose ranks were found to go per token (warned once); an address
+        whose instance was replaced or dropped leaves it at the next warning."""
 
     @contextlib.contextmanager
     def _failing_several(self, now: float) -> Iterator[None]:
@@ -148,7 +149,9 @@ class StagingRules(Core):
         if self.staging.usable(instance.tp_size):
             return self.staging.register_fields(rank)
         if instance.tp_size > self.kv_args.tp_size and self._told_per_token.get(addr) is not instance:
-            self._told_per_token[addr] = instance  # (once an instance, whichever of its ranks we pair with)
+            # Once an instance, whichever of its ranks we pair with; entries of replaced instances go.
+            told = {a: i for a, i in self._told_per_token.items() if self.instances.get(a) is i}
+            self._told_per_token = {**told, addr: instance}
             log.warning("prefill %s (TP %d) writes into this rank per token, one descriptor per token and entry: its "
                         "ranks' pages do not fit the decode staging area's slots (ranks holding more heads than a "
                         "slot, or a share that does not divide it, go per token)", addr, instance.tp_size)

@@ -1063,3 +1063,24 @@ def test_rooms_of_both_tps_failing_together_hand_no_slots_to_each_other() -> Non
     assert [a for a in w.take() if isinstance(a, act.Closed)]
     w.check()
     assert_nothing_leaks(rig)
+
+
+def test_the_per_token_warning_keeps_only_live_instances_and_names_a_restarted_one_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """6 heads, slots shaped by TP3: TP2 prefills go per token. A prefill that restarts (a new instance at its
+    address) is named again; an address whose instance was dropped (as a registration timeout drops it)
+    leaves the table of those named at the next warning."""
+    rig = MixRig(6, 3, slots=8)
+    w = World(rig)
+    rig.room(1, [0])
+    w.absorb(rig.register_all())
+    with caplog.at_level(logging.WARNING, logger="asynckv.decode"):
+        for room, addr, prefix in ((2, ADDR_B, "late"), (3, ADDR_B, "again"), (4, "10.0.0.3:8998", "third")):
+            if room == 4:
+                rig.core.instances.pop(ADDR_B)
+            rig.add(2, addr=addr, prefix=prefix)  # (room 3: the prefill at ADDR_B restarted, new agents)
+            rig.room(room, [room + 3], addr=addr)
+            w.absorb(rig.register_all())
+    named = [r.getMessage().split(" (")[0] for r in caplog.records if "per token" in r.getMessage()]
+    assert named == [f"prefill {ADDR_B}", f"prefill {ADDR_B}", "prefill 10.0.0.3:8998"]
+    assert list(rig.core._told_per_token) == ["10.0.0.3:8998"]
