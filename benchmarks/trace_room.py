@@ -35,6 +35,7 @@ from asynckv.service.writes import WriteBuilder
 from asynckv.testing import fill_pages, verify_pages
 from asynckv.transport import control as control_mod
 from asynckv.transport import lanes as lanes_mod
+from asynckv.transport import steer as steer_mod
 from asynckv.transport import stream as stream_mod
 from asynckv.transport import stream_conns
 from asynckv.transport.nixl import NixlDataPlane
@@ -214,21 +215,25 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser.add_argument("--lanes", type=int, default=None, help="prefill's write lanes (default: Config's)")
     parser.add_argument("--transport", choices=("zmq", "stream"), default="zmq",
                         help="the control channel (zmq, which this trace was written for, or stream, the default's)")
-    parser.add_argument("--relay", choices=("auto", "off"), default="auto",
+    parser.add_argument("--relay", choices=("auto", "off", "unsteered"), default="auto",
                         help="off: a split write's parts go to their lanes from the loop, as on a host with more "
-                             "cores than lanes (docs/design-decisions.md, 23)")
+                             "cores than lanes (docs/design-decisions.md, 23); unsteered: relayed, but the woken "
+                             "lane's thread may be queued on its waker's CPU (asynckv/transport/steer.py)")
     args = parser.parse_args(argv)
     if args.pages < 1:
         parser.error("--pages must be at least 1")
     print(f"Room trace: where a {args.pages}-page room's time goes (both managers in one process"
           f"{'; a raw NIXL write and a page fill between rooms' if args.interleave else ''}):")
-    usable_cpus = lanes_mod.usable_cpus
+    usable_cpus, steering = lanes_mod.usable_cpus, steer_mod.steering_available
     if args.relay == "off":  # (as if the host had many cores: the managers' laned planes decide at start)
         lanes_mod.usable_cpus = lambda: 1 << 20
+    if args.relay == "unsteered":
+        steer_mod.steering_available = lambda: False
     try:
         rows, total, raw_ms = asyncio.run(measure(args.rooms, args.pages, args.interleave, args.lanes, args.transport))
     finally:
         lanes_mod.usable_cpus = usable_cpus
+        steer_mod.steering_available = steering
     for r in rows:
         print(f"  {r['at_ms']:7.3f} ms  (+{r['gap_ms']:6.3f})  {r['what']}")
     print(f"  median room {total:.3f} ms" + (f"; raw NIXL's write of the same pages {raw_ms:.3f} ms "
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     name = "room_trace" if args.pages == 1 and not args.interleave and args.lanes is None else \
         f"room_trace_{args.pages}p{'_interleaved' if args.interleave else ''}" \
         f"{'' if args.lanes is None else f'_{args.lanes}lanes'}{'' if args.transport == 'zmq' else '_stream'}" \
-        f"{'' if args.relay == 'auto' else '_norelay'}"
+        f"{'' if args.relay == 'auto' else '_norelay' if args.relay == 'off' else '_unsteered'}"
     write_result(name, result, out_dir)
     return result
 

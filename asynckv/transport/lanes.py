@@ -50,6 +50,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import steer as steering
 from .base import U64, MemoryLayout, Notified, PreppedPiece, Settled, Write
 from .nixl import NixlDataPlane
 
@@ -71,13 +72,18 @@ def usable_cpus() -> int:
 class LanedDataPlane:
     """``DataPlane`` over ``lanes`` NIXL engines; posts are spread, everything else goes to all."""
 
-    def __init__(self, lanes: Sequence[NixlDataPlane], relay: bool | None = None) -> None:
+    def __init__(self, lanes: Sequence[NixlDataPlane], relay: bool | None = None, steer: bool | None = None) -> None:
         if not lanes:
             raise ValueError("a laned data plane needs at least one lane")
         self.lanes = tuple(lanes)
         self.relay = usable_cpus() <= len(self.lanes) if relay is None else relay
         """Whether a split write's other parts go through its first lane's thread when that lane is
         idle (see the module docstring); by default where the lanes' threads outnumber no core."""
+        self.steer = (self.relay and steering.steering_available()) if steer is None else steer
+        """Whether a relayed part wakes its lane's thread off the carrier's CPU (``steer.py``); by default
+        with the relay, where the OS has affinity masks."""
+        for lane in self.lanes if self.steer else ():
+            lane.steer = steering.Steer()
         self.on_settled: Settled = lambda batch: None
         self._owner: dict[int, int] = {}
         """post id -> lane, until it settles (cancels go to that lane only)."""
@@ -99,8 +105,8 @@ class LanedDataPlane:
 
     @classmethod
     def make(cls, name: str, count: int, factory: Callable[[str], NixlDataPlane],
-             relay: bool | None = None) -> LanedDataPlane:
-        return cls([factory(name if i == 0 else f"{name}.{i}") for i in range(count)], relay)
+             relay: bool | None = None, steer: bool | None = None) -> LanedDataPlane:
+        return cls([factory(name if i == 0 else f"{name}.{i}") for i in range(count)], relay, steer)
 
     @property
     def name(self) -> str:

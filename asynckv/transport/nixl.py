@@ -109,7 +109,9 @@ class NixlDataPlane(NixlEngine):
     def accept(self, cmd: Command) -> None:
         """Take ``cmd`` handed on by another engine (``Relay``), from any thread: it runs, or settles
         with the orphans if this engine's thread has ended (or is ending: its last drain may have run
-        before the put, so the check comes after it)."""
+        before the put, so the check comes after it). The thread wakes off the caller's CPU (``steer``)."""
+        thread = self._thread
+        self.steer.away(thread.native_id if thread is not None else None)
         self._commands.put(cmd)
         if not self._running and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # (the loop may be closed already)

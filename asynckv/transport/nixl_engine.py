@@ -45,6 +45,7 @@ from .agent import keep_until_exit, nixl_agent
 from .base import U64, DescPiece, MemoryLayout, Notified, PreppedPiece, Settled
 from .commands import Cancel, Command, Forget, Outbox, PostCmd, Relay, hand_on, map_nixl_error
 from .merging import MERGE_MAX_BYTES, MERGE_MAX_DESCS, members, merge_run
+from .steer import Steer
 
 __all__ = ["NixlEngine"]
 
@@ -84,6 +85,7 @@ class NixlEngine:
         self.posts_in_flight = self.rounds = self.merged = 0  # (merged: posts that went in a merged handle)
         self.merge_limits = (MERGE_MAX_BYTES, MERGE_MAX_DESCS)  # (bytes, descriptors) of a merged handle at most
         self.thread_error: BaseException | None = None
+        self.steer = Steer(enabled=False)  # (lanes.py turns it on: a relayed part wakes us off the waker's CPU)
         # engine-thread state
         self._agent: Any = None
         self._memory: MemoryLayout | None = None
@@ -235,6 +237,7 @@ class NixlEngine:
         agent = self._agent
         idle_wait = _MIN_IDLE_WAIT_S
         while True:
+            self.steer.back()  # (placed by its wake-up: its own CPU mask again)
             done: list[Any] = []
             commands, self._woken = self._woken, []
             self._round = (commands, done)  # (a thread that dies mid-round leaves them to the loop)
