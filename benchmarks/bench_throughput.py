@@ -36,6 +36,7 @@ import numpy as np
 
 from asynckv.demo import bounded
 from asynckv.testing import fill_pages, verify_pages
+from asynckv.transport import steer as steer_mod
 
 from ._common import write_result
 from ._pairs import RawNixl, pair, room, run
@@ -150,16 +151,26 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
     parser.add_argument("--sizes-mib", type=float, nargs="*", default=[0.0625, 1, 16, 64, 256, 1024])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    parser.add_argument("--steer", choices=["auto", "off"], default="auto",
+                        help="off: a relayed part's lane may be woken onto its carrier's CPU "
+                             "(asynckv/transport/steer.py; results then go to throughput_unsteered.json)")
     args = parser.parse_args(argv)
     sizes = [int(s * 2**20) // PAGE_BYTES * PAGE_BYTES or PAGE_BYTES for s in args.sizes_mib]
-    print(f"Q1 bulk throughput (asynckv vs raw NIXL vs np.copyto), {args.loop}:")
-    rows = run(measure(sizes, args.reps), args.loop)
+    print(f"Q1 bulk throughput (asynckv vs raw NIXL vs np.copyto), {args.loop}"
+          f"{', steering off' if args.steer == 'off' else ''}:")
+    steering = steer_mod.steering_available
+    if args.steer == "off":
+        steer_mod.steering_available = lambda: False
+    try:
+        rows = run(measure(sizes, args.reps), args.loop)
+    finally:
+        steer_mod.steering_available = steering
     big = [r for r in rows if int(r["bytes"]) >= 16 * 2**20]  # type: ignore[call-overload]
-    result = {"question": __doc__.strip().splitlines()[0], "rows": rows, "loop": args.loop,
+    result = {"question": __doc__.strip().splitlines()[0], "rows": rows, "loop": args.loop, "steer": args.steer,
               "min_ratio_from_16MiB": min((float(r["ratio_vs_raw"]) for r in big), default=None),  # type: ignore[arg-type]
               "min_pipelined_ratio_from_16MiB": min((float(r["pipelined_ratio"]) for r in big),  # type: ignore[arg-type]
                                                     default=None)}
-    write_result("throughput", result, out_dir)
+    write_result("throughput" if args.steer == "auto" else "throughput_unsteered", result, out_dir)
     return result
 
 
