@@ -36,7 +36,12 @@ loop has gone back to its poll, it finds that core free: 0.05-0.07 ms apart, and
 1.76-1.82 ms instead of 2.18-2.27 (interleaved runs of ``benchmarks/trace_room.py``). A part reaches
 its lane after a cancel or a ``forget_peer`` sent to that lane directly; their marks therefore stay
 until the post's settle reaches the loop (``NixlDataPlane``). Where there are more cores than lanes,
-each woken thread finds one, and the relay would only delay the others.
+each woken thread finds one, and the relay would only delay the others. On a 2-vCPU AMD EPYC VM the
+relay alone did not do it: the kernel queued the woken thread on the first lane's own CPU, behind its
+copy, while the other CPU sat idle (0.6-0.8 ms apart in most rooms). So the first lane's thread also
+takes its CPU out of the second thread's affinity mask for the moment of the wake-up (``steer.py``):
+0.05-0.11 ms apart, and Q1's 16 MiB one request went 0.56-0.59x -> 0.65-0.72x raw NIXL (from
+``send()``: 0.71-0.79x -> 0.91-1.01x) in three interleaved pairs.
 Lane 0's agent carries the manager's name; lane ``i`` is ``<name>.<i>`` (a decode never loads
 a prefill's metadata, and SGLang's decode matches notifications by their text, not their
 sender; asynckv's SGLang decode core counts a writer's lanes as the writer).
