@@ -87,8 +87,9 @@ class LanedDataPlane:
         self.steer = (self.relay and steering.steering_available()) if steer is None else steer
         """Whether a relayed part wakes its lane's thread off the carrier's CPU (``steer.py``); by default
         with the relay, where the OS has affinity masks."""
-        for lane in self.lanes if self.steer else ():
-            lane.steer = steering.Steer()
+        for lane in self.lanes:
+            lane.steer = steering.Steer(enabled=self.steer)
+        self.steer = all(lane.steer.enabled for lane in self.lanes)  # (False where the OS has no affinity masks)
         self.on_settled: Settled = lambda batch: None
         self._owner: dict[int, int] = {}
         """post id -> lane, until it settles (cancels go to that lane only)."""

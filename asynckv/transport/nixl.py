@@ -111,7 +111,8 @@ class NixlDataPlane(NixlEngine):
         with the orphans if this engine's thread has ended (or is ending: its last drain may have run
         before the put, so the check comes after it). The thread wakes off the caller's CPU (``steer``)."""
         thread = self._thread
-        self.steer.away(thread.native_id if thread is not None else None)
+        if self._running and thread is not None:  # (an ended thread's id may name another thread by now)
+            self.steer.away(thread.native_id)
         self._commands.put(cmd)
         if not self._running and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # (the loop may be closed already)

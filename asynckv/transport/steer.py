@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 __all__ = ["Steer", "steering_available"]
@@ -49,14 +50,16 @@ def steering_available() -> bool:
 
 
 class Steer:
-    """One thread's steering: ``away`` from the thread about to wake it, ``back`` on the thread itself.
+    """One thread's steering: ``away`` from a thread about to wake it, ``back`` on the thread itself.
 
-    ``away`` sets the mask and then the flag; ``back`` reads the flag and then restores. A ``back``
-    that runs between the two finds no flag and leaves the mask for the next round, which the wake-up
-    that follows every ``away`` brings. An idle thread that is never woken again keeps the narrower
-    mask until it is: harmless, it does nothing."""
+    Both run under one lock, so a steer and a restore never interleave: the mask ``back`` restores is
+    always the one the thread had before the first ``away`` since its last restore (read then; a mask
+    set on the thread while it is steered is replaced by it). ``back`` looks at the flag without the
+    lock first: it runs every engine round. A thread that ``away`` narrowed gets its mask back in its
+    next round, which the command put after every ``away`` brings (an idle engine also starts a round
+    at least every ``deep_idle_s``)."""
 
-    __slots__ = ("_get", "_getcpu", "_mask", "_moved", "_set", "enabled")
+    __slots__ = ("_get", "_getcpu", "_lock", "_mask", "_moved", "_set", "enabled")
 
     def __init__(self, enabled: bool = True, getcpu: Callable[[], int] | None = None,
                  setaffinity: Callable[[int, set[int]], None] | None = None,
@@ -65,35 +68,40 @@ class Steer:
         self._set = setaffinity or getattr(os, "sched_setaffinity", None)
         self._get = getaffinity or getattr(os, "sched_getaffinity", None)
         self.enabled = enabled and None not in (self._getcpu, self._set, self._get)
+        self._lock = threading.Lock()
         self._mask: set[int] = set()
-        """The thread's own mask, as it was before the last ``away`` (``back`` restores it)."""
+        """The thread's own mask, as it was before the first ``away`` since the last ``back``."""
         self._moved = False
 
     def away(self, tid: int | None) -> None:
         """Before waking thread ``tid``: let it run anywhere its mask allows but on this CPU."""
         if not self.enabled or not tid:
             return
-        try:
-            cpu = self._getcpu()  # type: ignore[misc]
-            if not self._moved:
-                self._mask = set(self._get(tid))  # type: ignore[misc]
-            others = self._mask - {cpu}
-            if cpu not in self._mask or not others:
-                return  # (this CPU is not one it may use, or the only one)
-            self._set(tid, others)  # type: ignore[misc]
-        except OSError as exc:
-            self.enabled = False
-            log.debug("thread %s: steering off (%s)", tid, exc)
-            return
-        self._moved = True
+        with self._lock:
+            try:
+                cpu = self._getcpu()  # type: ignore[misc]
+                mask = self._mask if self._moved else set(self._get(tid))  # type: ignore[misc]
+                others = mask - {cpu}
+                if cpu not in mask or not others:
+                    return  # (this CPU is not one it may use, or the only one)
+                self._set(tid, others)  # type: ignore[misc]
+            except OSError as exc:
+                self.enabled = False
+                log.debug("thread %s: steering off (%s)", tid, exc)
+                return
+            self._mask, self._moved = mask, True
 
     def back(self) -> None:
         """On the steered thread, running: its own mask again."""
         if not self._moved:
             return
-        self._moved = False
-        try:
-            self._set(0, self._mask)  # type: ignore[misc]
-        except OSError as exc:  # (its mask stays the narrower one: say so)
-            self.enabled = False
-            log.warning("engine thread: could not restore its CPU mask %s (%s); steering off", sorted(self._mask), exc)
+        with self._lock:
+            if not self._moved:
+                return
+            self._moved = False
+            try:
+                self._set(0, self._mask)  # type: ignore[misc]
+            except OSError as exc:  # (its mask stays the narrower one: say so)
+                self.enabled = False
+                log.warning("engine thread: could not restore its CPU mask %s (%s); steering off",
+                            sorted(self._mask), exc)
