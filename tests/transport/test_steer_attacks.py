@@ -80,6 +80,18 @@ class HookedAffinity(Affinity):
             after(tid, mask)
 
 
+def killable(agent: FakeAgent) -> threading.Event:
+    """An event that, once set, ends ``agent``'s engine thread at its next progress call."""
+    kill, real = threading.Event(), agent.get_new_notifs
+
+    def notifs() -> dict[str, list[bytes]]:
+        if kill.is_set():
+            raise SystemExit("engine bug")
+        return dict(real())
+    agent.get_new_notifs = notifs  # type: ignore[method-assign]
+    return kill
+
+
 # -- the mask arithmetic under forced interleavings ------------------------------------------------
 
 
@@ -332,21 +344,23 @@ async def test_two_carriers_relaying_to_one_lane_at_once_leave_it_its_own_mask()
     assert mask == {0, 1}
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
-async def test_a_relayed_part_to_a_lane_whose_thread_ended_steers_no_thread() -> None:
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    kill = threading.Event()
-
-    def notifs(real: Any = b.get_new_notifs) -> dict[str, list[bytes]]:
-        if kill.is_set():
-            raise SystemExit("engine bug")
-        return dict(real())
-    b.get_new_notifs = notifs  # type: ignore[method-assign]
-    plane, settled = await laned([a, b], relay=True)
+async def dying_pair(dies: int) -> tuple[LanedDataPlane, list[tuple[int, BaseException | None]], threading.Event,
+                                         Cpus, HeldInProgress]:
+    """Two relayed lanes whose copies finish, lane 1 steered through ``Cpus({0, 1})``, lane ``dies``'s
+    thread ending once the returned event is set, lane 0 held in its next progress call (idle to the loop)."""
+    agents = [FakeAgent(), FakeAgent()]
+    for agent in agents:
+        agent.finish = True
+    kill = killable(agents[dies])
+    plane, settled = await laned(agents, relay=True)
     cpus = Cpus({0, 1})
     plane.lanes[1].steer = cpus.steer()
-    hold = await HeldInProgress(a).held()
+    return plane, settled, kill, cpus, await HeldInProgress(agents[0]).held()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
+async def test_a_relayed_part_to_a_lane_whose_thread_ended_steers_no_thread() -> None:
+    plane, settled, kill, cpus, hold = await dying_pair(1)
     plane.post(1, "peer", split_write(), 30.0)  # lane 1's part waits in lane 0's queue
     kill.set()
     await ended(plane.lanes[1])
@@ -386,21 +400,9 @@ async def test_a_real_relayed_write_narrows_the_real_lane_thread_and_its_next_ro
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
 async def test_a_part_handed_on_by_the_loop_when_its_carrier_died_is_steered_from_the_loops_thread() -> None:
-    """Promise 5 says "from the carrier's thread": here the dead carrier's orphans are handed on by the
-    loop, which steers; harmless (the lane still restores its mask), but not the carrier's thread."""
-    a, b = FakeAgent(), FakeAgent()
-    a.finish = b.finish = True
-    kill = threading.Event()
-
-    def notifs(real: Any = a.get_new_notifs) -> dict[str, list[bytes]]:
-        if kill.is_set():
-            raise SystemExit("engine bug")
-        return dict(real())
-    a.get_new_notifs = notifs  # type: ignore[method-assign]
-    plane, settled = await laned([a, b], relay=True)
-    cpus = Cpus({0, 1})
-    plane.lanes[1].steer = cpus.steer()
-    hold = await HeldInProgress(a).held()
+    """A dead carrier's orphans are handed on by the loop, which steers the lane as the carrier would
+    have (docs/design-decisions.md, 23); the lane restores its mask the same way."""
+    plane, settled, kill, cpus, hold = await dying_pair(0)
     plane.post(1, "peer", split_write(), 30.0)
     kill.set()
     await hold.let_go()  # lane 0 dies before it hands anything on
@@ -408,7 +410,8 @@ async def test_a_part_handed_on_by_the_loop_when_its_carrier_died_is_steered_fro
     await ended(plane.lanes[0])
     await rounds(plane.lanes[1])
     steers = [c for c in cpus.calls if c[0] == "set"]
-    assert steers == [("set", tid(plane.lanes[1]), threading.current_thread().name)] and transfers(b) == 1
+    assert steers == [("set", tid(plane.lanes[1]), threading.current_thread().name)]
+    assert transfers(plane.lanes[1]._agent) == 1
     assert cpus.masks[tid(plane.lanes[1])] == {0, 1}
     await plane.close()
     assert len(settled) == 1
