@@ -84,12 +84,12 @@ class LanedDataPlane:
         self.relay = usable_cpus() <= len(self.lanes) if relay is None else relay
         """Whether a split write's other parts go through its first lane's thread when that lane is
         idle (see the module docstring); by default where the lanes' threads outnumber no core."""
-        self.steer = (self.relay and steering.steering_available()) if steer is None else steer
-        """Whether a relayed part wakes its lane's thread off the carrier's CPU (``steer.py``); by default
-        with the relay, where the OS has affinity masks."""
+        wanted = (self.relay and steering.steering_available()) if steer is None else steer
         for lane in self.lanes:
-            lane.steer = steering.Steer(enabled=self.steer)
-        self.steer = all(lane.steer.enabled for lane in self.lanes)  # (False where the OS has no affinity masks)
+            lane.steer = steering.Steer(enabled=wanted)
+        self.steer = all(lane.steer.enabled for lane in self.lanes)
+        """Whether a relayed part wakes its lane's thread off the carrier's CPU (``steer.py``): by default
+        with the relay; never where the OS has no affinity masks."""
         self.on_settled: Settled = lambda batch: None
         self._owner: dict[int, int] = {}
         """post id -> lane, until it settles (cancels go to that lane only)."""
