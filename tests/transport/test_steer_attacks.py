@@ -34,7 +34,7 @@ REAL = pytest.mark.skipif(not steering_available() or len(os.sched_getaffinity(0
                           reason="needs affinity masks and two CPUs")
 
 
-def on_thread(fn: Callable[[], Any], wait_s: float = 0.5) -> threading.Thread:
+def on_thread(fn: Callable[[], Any], wait_s: float = 0.2) -> threading.Thread:
     """Run ``fn`` on another thread and wait for it at most ``wait_s`` (it returns at once unless a
     fix makes it wait for the thread that called this)."""
     t = threading.Thread(target=fn)
@@ -281,7 +281,7 @@ async def test_a_lane_woken_again_while_it_restores_its_mask_gets_its_own_mask_b
         await until(lambda: plane._load[0] == 0)  # lane 0's own part settled: lane 0 idle
         plane.post(2, "peer", split_write(), 30.0)  # lane 0 carries lane 1's part again
         with contextlib.suppress(AssertionError):  # (at once, unless a fix makes lane 0 wait for lane 1)
-            await until(lambda: transfers(a) == 2, timeout=0.5)
+            await until(lambda: transfers(a) == 2, timeout=0.2)
         go.set()
         await until(lambda: sorted(p for p, _ in settled) == [1, 2])
         await rounds(plane.lanes[1])
@@ -331,7 +331,7 @@ async def test_two_carriers_relaying_to_one_lane_at_once_leave_it_its_own_mask()
         plane.post(2, "peer", split_write(3), 30.0)  # lanes 1, 0, 2: lane 1 carries
         await until(steer.entered.is_set)
         with contextlib.suppress(AssertionError):  # (at once, unless a fix makes it wait for lane 0's steer)
-            await until(steer.left.is_set, timeout=0.5)
+            await until(steer.left.is_set, timeout=0.2)
         assert transfers(b) >= 1
         go.set()
         await until(lambda: sorted(p for p, _ in settled) == [1, 2])
