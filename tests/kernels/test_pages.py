@@ -136,6 +136,19 @@ def test_prepped_pages_and_row_is_the_pages_indices_then_the_rows(pages: list[in
         first + i for i in ref.prepped_indices([row], 16, row_entries)]
 
 
+def test_prepped_pages_and_row_of_no_pages_is_the_rows_alone() -> None:
+    got = prepped_pages_and_row(np.empty(0, dtype=np.int64), 100, 3, 2, 16, 2, 500)
+    assert got.dtype == np.int32
+    assert got.tolist() == [502, 518]
+
+
+def test_prepped_pages_and_row_refuses_rows_past_int32() -> None:
+    top = int(np.iinfo(np.int32).max)
+    assert prepped_pages_and_row(np.array([1]), 10, 2, 3, 4, 2, top - 7).tolist()[-2:] == [top - 4, top]
+    with pytest.raises(InvalidArgument, match="exceed int32"):
+        prepped_pages_and_row(np.array([1]), 10, 2, 3, 4, 2, top - 6)
+
+
 @pytest.mark.parametrize("pages, needle", [
     ([0, 1, 1], "appears more than once"),
     ([0, 10], "outside the registered range"),
