@@ -7,10 +7,12 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -23,19 +25,33 @@ from .conftest import CONTROL
 
 pytestmark = pytest.mark.integration
 
-_NET = f"10.231.{os.getpid() % 250}"  # a private /30 that exists only between our namespaces (one per run)
-HOST_IP, NS_IP = f"{_NET}.1", f"{_NET}.2"
-
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+
+
+def _free_net() -> str:
+    """A private 10.231.X.0/30 in which no interface of this host has an address: one per run. A
+    run killed before its teardown leaves its namespace and host-side address behind, and a later
+    run on the same subnet then sent its traffic into that dead veth (every cross-host test failed
+    with the prefill never registered)."""
+    used: set[str] = set()
+    if os.geteuid() == 0 and shutil.which("ip") is not None:
+        used = set(re.findall(r"inet 10\.231\.(\d+)\.", _ip("-o", "-4", "addr", "show").stdout))
+    start = os.getpid() % 250
+    return f"10.231.{next((x for k in range(250) if str(x := (start + k) % 250) not in used), start)}"
+
+
+_NET = _free_net()  # (between our namespaces only)
+HOST_IP, NS_IP = f"{_NET}.1", f"{_NET}.2"
 
 
 def make_netns() -> tuple[str, str] | str:
     """Create the namespace pair; returns (namespace, host interface) or why it cannot."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return "network namespaces need root and iproute2 (ip); not available here"
-    tag = f"{os.getpid() % 100000}"
+    _sweep_stale()
+    tag = str(os.getpid())
     ns, host_if, ns_if = f"akv{tag}", f"akvh{tag}", f"akvp{tag}"
     steps = [("netns", "add", ns), ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
              ("link", "set", ns_if, "netns", ns), ("addr", "add", f"{HOST_IP}/30", "dev", host_if),
@@ -53,6 +69,17 @@ def make_netns() -> tuple[str, str] | str:
 def drop_netns(made: tuple[str, str]) -> None:
     _ip("link", "del", made[1])
     _ip("netns", "del", made[0])
+
+
+def _sweep_stale() -> None:
+    """Drop the namespaces (and host-side veths) of earlier runs whose process is gone."""
+    for pid in re.findall(r"^akv(\d+)\b", _ip("netns", "list").stdout, re.MULTILINE):
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            drop_netns((f"akv{pid}", f"akvh{pid}"))
+        except PermissionError:  # (alive, someone else's)
+            pass
 
 
 
@@ -98,3 +125,26 @@ async def test_partition_is_detected_and_fails_rooms_on_both_sides(netns: tuple[
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+def test_a_dead_runs_namespace_is_swept_and_its_subnet_avoided() -> None:
+    """What a run killed before its teardown leaves: a namespace named for its (now dead) process
+    and a host-side address. A new run takes another subnet, and the next namespace made sweeps it."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip)")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # (its pid now names no process)
+    ns, host_if, ns_if = f"akv{dead.pid}", f"akvh{dead.pid}", f"akvp{dead.pid}"
+    x = int(_free_net().split(".")[-1])
+    try:
+        for step in (("netns", "add", ns), ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
+                     ("link", "set", ns_if, "netns", ns), ("addr", "add", f"10.231.{x}.1/30", "dev", host_if),
+                     ("link", "set", host_if, "up")):
+            assert _ip(*step).returncode == 0, step
+        with mock.patch("os.getpid", return_value=x):  # (a run whose pid picks that subnet first)
+            assert _free_net() != f"10.231.{x}"
+        _sweep_stale()
+        assert ns not in _ip("netns", "list").stdout
+        assert host_if not in _ip("-o", "link", "show").stdout
+    finally:
+        drop_netns((ns, host_if))
