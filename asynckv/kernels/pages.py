@@ -179,8 +179,7 @@ def _pages_and_row_bases(num_slots: int, num_entries: int, row_slots: int, row_e
     last = first + (row_entries - 1) * row_slots + row_slots - 1
     if first < 0 or last > _INT32_MAX:
         raise InvalidArgument(f"prepared rows {first}..{last} exceed int32 indexing")
-    out = np.concatenate((_entry_bases(num_slots, num_entries)[:, 0],
-                          _entry_bases(row_slots, row_entries)[:, 0] + np.int32(first)))
+    out = np.concatenate((_entry_bases(num_slots, num_entries)[:, 0], prepped_row(0, row_slots, row_entries, first)))
     out.flags.writeable = False
     return out
 

@@ -82,8 +82,6 @@ def _sweep_stale() -> None:
             pass
 
 
-
-
 async def test_partition_is_detected_and_fails_rooms_on_both_sides(netns: tuple[str, str]) -> None:
     ns, host_if = netns
     spec = DemoSpec(layers=2, kv_heads=2, head_dim=16, page_size=4, min_pages=16, max_pages=16, chunk_pages=2, seed=5,
