@@ -163,6 +163,10 @@ class LanedDataPlane:
         return [lane for lane in self.lanes if lane.alive] or list(self.lanes)
 
     def post(self, post_id: int, peer: str, write: Write, timeout_s: float) -> None:
+        """Post ``write`` (see the module docstring for the lane it goes to). ``post_id`` must not be that of a
+        post not settled yet (the cores count them): one repeated is refused, as the tables would mix the two."""
+        if post_id in self._owner or post_id in self._parts:
+            raise ValueError(f"post {post_id} is not settled yet: its id cannot be posted again")
         big = write.nbytes >= SMALL_POST_BYTES or write.descriptors >= SMALL_POST_DESCRIPTORS
         if not big:  # (a small post copies in less time than the loop spends on its room: one lane is enough)
             for lane in range(len(self.lanes)):

@@ -43,6 +43,8 @@ class NixlDataPlane(NixlEngine):
         (one for any other would stay for ever), and forgetting a peer marks its own."""
         self.calls_pending = 0
         """Calls and warm-ups the engine has not answered yet (``lanes.py`` relays through no lane busy with one)."""
+        self._closing: asyncio.Future[None] | None = None
+        """The close, once one began: it runs once, and a later ``close`` waits for it."""
 
     @property
     def alive(self) -> bool:
@@ -62,6 +64,10 @@ class NixlDataPlane(NixlEngine):
         return bytes(await self._call(self._register, memory))
 
     async def connect_peer(self, peer: str, metadata: bytes, rows: U64 | None, mem_kind: str) -> None:
+        """Connect ``peer``. Its posts not settled yet were made before this connection: they settle with an
+        error and copy nothing into it (a split write's part relayed to this engine may arrive after the connect,
+        while its other part was refused as not connected), as ``forget_peer`` marks a forgotten peer's."""
+        self._mark_posts(peer, PeerUnreachable(f"peer {peer[:8]} was not connected when the post was made"))
         await self._call(self._connect, peer, metadata, rows, mem_kind)
 
     async def warm_up(self, peer: str, dst: tuple[int, int], timeout_s: float) -> None:
@@ -125,30 +131,49 @@ class NixlDataPlane(NixlEngine):
         """Its posts settle with an error; those not started start nothing (one relayed to this engine
         may arrive after the peer has been connected anew: it must not copy into that connection)."""
         self._leases.pop(peer, None)  # here, not on the engine thread: a later session's lease is set after
-        reason = PeerUnreachable(f"peer {peer[:8]} forgotten")
+        self._mark_posts(peer, PeerUnreachable(f"peer {peer[:8]} forgotten"))
+        self._put(Forget(peer))
+
+    def _mark_posts(self, peer: str, reason: BaseException) -> None:
+        """Mark the unsettled posts to ``peer`` cancelled with ``reason`` (unless marked already): they start
+        nothing more, wherever they are (``cancel``)."""
         for post_id, to in self._posted.items():
             if to == peer:
                 self._cancelled.setdefault(post_id, reason)
-        self._put(Forget(peer))
 
     async def close(self) -> None:
-        """Release every handle, dlist and remote agent, deregister memory, stop the thread."""
-        if self._closed or self._thread is None:
+        """Release every handle, dlist and remote agent, deregister memory, stop the thread. The close runs once,
+        as a task: a second close waits for the first to finish (its caller may then free the registered memory),
+        and a caller cancelled meanwhile does not cut it short."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        if self._thread is None:
             self._closed = True
             return
         if not self._running:  # it died, or is ending: settle what it never took, or took and never finished
             self._closed = True
             self._flush()  # (what it handed over comes first)
-            self._settle_orphans()
+            self._settle_orphans()  # (it parked the handles it found in flight)
+            self._leases.clear()
+            if self._agent is not None:  # the thread's own shutdown, here (no other thread touches the agent now):
+                try:  # with a handle parked, the agent is kept until exit; nothing is polled (polling may be what
+                    self._shutdown(settle_s=0.0)  # killed the thread)
+                except Exception:
+                    log.exception("data plane %s: shutdown after its engine thread died failed", self.name)
             return
-        try:
-            await self._call(self._shutdown)
+        shutdown = self._call(self._shutdown)
+        self._closed = True  # from now, not once it returned: a call queued behind the shutdown would run after it
+        try:  # (a connect then left its remote agent and dlist behind); calls and posts are refused from here
+            await shutdown
         except Exception:
             log.exception("data plane %s: shutdown failed", self.name)
-        self._closed = True
         self._commands.put(None)
         thread = self._thread
         await asyncio.get_running_loop().run_in_executor(None, thread.join, 10.0)
+        self._leases.clear()  # (read by the engine thread until it ended)
         self._flush()  # posts taken during close settled before the thread ended: on_settled sees them now
 
     def _flush(self) -> None:
@@ -208,8 +233,10 @@ class NixlDataPlane(NixlEngine):
         commands, done = self._round  # (the round it died in: what finished there was never handed over)
         self._round = ([], [])
         finished = {_result_key(fut, value) for fut, value, _ in done}
-        for post in self._in_flight:  # (whatever UCX still does with their handles)
+        for post in self._in_flight:  # (whatever UCX still does with their handles: parked, close keeps the agent)
             if post.handle is not None:
+                self._parked.append((post.peer, post.handle))
+                post.handle = None
                 self.settled_in_flight.update(m.post_id for m in members([post]) if m.fut is None)
         held = {id(c): c for c in (*members(self._in_flight), *self._woken, *commands) if c is not None}  # (woken: a
         orphans: list[Any] = [c for c in held.values()  # command that woke it just before it died)
@@ -224,8 +251,11 @@ class NixlDataPlane(NixlEngine):
             if isinstance(cmd, Relay):  # (another engine's commands: they go on to it, in order)
                 hand_on(cmd)
                 continue
-            if isinstance(cmd, PostCmd) and cmd.handle is not None and cmd.fut is None:
-                self.settled_in_flight.add(cmd.post_id)  # (whatever UCX still does with it)
+            if isinstance(cmd, PostCmd) and cmd.handle is not None:  # (whatever UCX still does with it, as above)
+                self._parked.append((cmd.peer, cmd.handle))
+                cmd.handle = None
+                if cmd.fut is None:
+                    self.settled_in_flight.add(cmd.post_id)
             fut = getattr(cmd, "fut", None)
             if fut is not None:
                 if not fut.done():

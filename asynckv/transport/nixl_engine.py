@@ -22,8 +22,8 @@ an agent down under requests queued to a stopped peer aborted the process (docs/
 cancelled, loses its lease or its peer *stops*: it starts no further handle and settles (with the error) once the
 handle already in flight completed or failed. Only a post unfinished at its deadline, or at close, settles with a
 handle in flight: the handle is *parked*, polled each round and released once it completes or fails. Forgetting a peer
-and closing run as one sequence on this thread; if handles are still parked at close (a peer stopped for good), the
-agent and its registrations are kept until the process exits, whatever step of the close raised.
+and closing run as one sequence on this thread; if handles are still parked at close (a peer stopped for good, or the
+thread died), the agent and its registrations are kept until the process exits, whatever step of the close raised.
 """
 
 from __future__ import annotations
@@ -189,14 +189,14 @@ class NixlEngine:
         if self._retired:
             self._retire_drained()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, settle_s: float = SETTLE_AT_CLOSE_S) -> None:
         done: list[Any] = []
         try:  # (what settled here is handed over whatever a later step raises)
             for post in self._in_flight:
                 post.stop = post.stop or ClosedError("data plane closed")
             for peer in list(self._remote):
                 self._forget(peer, done)
-            deadline = time.monotonic() + (SETTLE_AT_CLOSE_S if self._parked or self._in_flight else 0.0)
+            deadline = time.monotonic() + (settle_s if self._parked or self._in_flight else 0.0)
             while (self._parked or self._in_flight) and time.monotonic() < deadline:
                 with contextlib.suppress(Exception):  # (as in the progress loop)
                     self._agent.get_new_notifs()
