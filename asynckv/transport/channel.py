@@ -23,7 +23,8 @@ from ..proto.endpoints import transport_of
 from ..proto.messages import Message, VersionMismatch, decode, encode, encode_frame, pack, unpack
 from .ratelimit import RateLimitedLog
 
-__all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS", "ChannelBase", "running_in"]
+__all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "READ_BATCH_MAX", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS", "ChannelBase",
+           "running_in"]
 
 log = logging.getLogger("asynckv.control")
 
@@ -31,15 +32,18 @@ MAX_MESSAGE_BYTES = 129 * 1024 * 1024
 """The largest message (one frame) a channel reads; a peer sending more is cut off. The largest a
 peer may send is a destination with two 64 MiB page arrays (messages.py caps each part by type)."""
 READ_BATCH = 2
-"""A reader hands the event loop back after this many messages in a row (it reads what is
-queued without waiting: a flood would otherwise hold the loop for seconds). Each message can
+"""A reader hands the event loop back after this many messages in a row at the least (it reads what
+is queued without waiting: a flood would otherwise hold the loop for seconds). Each message can
 wake a waiting task, and the loop runs all of them in its next round, so this bounds how much
 work one round of reads starts. With 1,000 rooms in flight (Q3, uvloop, interleaved runs): 16 -> 4
 took decode's loop lag p99 from 12.1 to 4.4 ms and prefill's from 35 to 21 ms; with settles also
 taken a few per round (``Outbox``), 4 -> 2 took them from 4.5 to 2.6 ms and 9.2 to 6.7 ms
 (medians of 10 runs each), rooms/s 0.96x (1,485 -> 1,425): within the noise, as two identical
 configurations interleaved the same way differed by 5-24% in their medians. 1 had cost 18% (a
-loop round per message)."""
+loop round per message). A reader reads more, up to ``READ_BATCH_MAX``, while the loop's rounds
+are short (``pacing.Pacer``)."""
+READ_BATCH_MAX = 4
+"""Messages a reader takes in a row at the most, while the loop's rounds are short (``pacing``)."""
 TRANSIENT_SOCKETS = 32
 """Connections kept open for replies to endpoints nobody vouched for (the least recently used goes)."""
 TRANSIENT_PER_S = 50.0

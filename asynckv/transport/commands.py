@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import AsyncKVError, PeerUnreachable, TransportError
 from .base import Write
+from .pacing import Pacer
 
-__all__ = ["Call", "Cancel", "Command", "DRAIN_BATCH", "Forget", "Outbox", "PostCmd", "Relay", "hand_on",
-           "map_nixl_error"]
+__all__ = ["Call", "Cancel", "Command", "DRAIN_BATCH", "DRAIN_BATCH_MAX", "Forget", "Outbox", "PostCmd", "Relay",
+           "hand_on", "map_nixl_error"]
 
 
 def map_nixl_error(exc: BaseException, what: str) -> BaseException:
@@ -94,28 +96,34 @@ def hand_on(relay: Relay) -> None:
 
 
 DRAIN_BATCH = 4
-"""Settled posts the loop takes per round (the rest wait for its next poll). Each can wake a task,
-which the loop runs in its next round, so this bounds a round's work. Q3 (1,000 rooms in flight,
-uvloop, interleaved runs): prefill loop lag p99 12-19 ms when each engine round's settles came in
-one call, about 9 ms at 4 (8 runs), rooms/s 0.94-0.99x in two A/Bs (within the noise: identical
-configurations differed by 5-24%); 8 gave 8.2 ms where 3 gave 6.4; 1 gave 5.7 ms where 3 gave 7.3
-in another A/B, but took 20% more CPU per room in each of its 3 runs."""
+"""Settled posts the loop takes per round at the least (the rest wait for its next poll). Each can
+wake a task, which the loop runs in its next round, so this bounds a round's work. Q3 (1,000 rooms
+in flight, uvloop, interleaved runs): prefill loop lag p99 12-19 ms when each engine round's settles
+came in one call, about 9 ms at 4 (8 runs), rooms/s 0.94-0.99x in two A/Bs (within the noise:
+identical configurations differed by 5-24%); 8 gave 8.2 ms where 3 gave 6.4; 1 gave 5.7 ms where 3
+gave 7.3 in another A/B, but took 20% more CPU per room in each of its 3 runs. The drain takes more,
+up to ``DRAIN_BATCH_MAX``, while the loop's rounds are short (``pacing.Pacer``)."""
+DRAIN_BATCH_MAX = 16
+"""Settled posts the loop takes per round at the most, while its rounds are short (``pacing``)."""
 
 
 class Outbox:
-    """What a thread hands an event loop, taken on the loop at most ``batch`` items per loop round.
+    """What a thread hands an event loop, taken on the loop a bounded number of items per loop round.
 
     ``put`` (any thread) wakes the loop only when no drain is due: one wake-up serves every put
     made before the loop drains. The flag is cleared before draining, so an item put meanwhile is
-    taken now or schedules its own drain; none is stranded. What is left after ``batch`` waits for
-    the loop's next poll, so the work one round starts stays bounded (each item can wake a task,
-    which runs in the next round). ``flush`` takes the rest at once (close, after the thread ended).
+    taken now or schedules its own drain; none is stranded. What is left after a round's take waits
+    for the loop's next poll, so the work one round starts stays bounded (each item can wake a task,
+    which runs in the next round): ``batch`` items, or up to ``most`` while the loop's rounds are
+    short (``pacing.Pacer``). ``flush`` takes the rest at once (close, after the thread ended).
     """
 
-    __slots__ = ("_batch", "_due", "_items", "_loop", "_take")
+    __slots__ = ("_due", "_items", "_loop", "_take", "pacer")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, take: Callable[[list[Any]], None], batch: int) -> None:
-        self._loop, self._take, self._batch = loop, take, batch
+    def __init__(self, loop: asyncio.AbstractEventLoop, take: Callable[[list[Any]], None], batch: int,
+                 most: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._loop, self._take = loop, take
+        self.pacer = Pacer(batch, batch if most is None else most, clock)
         self._items: collections.deque[Any] = collections.deque()
         self._due = False
 
@@ -128,9 +136,10 @@ class Outbox:
     def _drain(self) -> None:
         self._due = False
         items = self._items
-        taken = [items.popleft() for _ in range(min(len(items), self._batch))]
+        taken = [items.popleft() for _ in range(min(len(items), self.pacer.take()))]
         if items and not self._due:
             self._due = True
+            self.pacer.scheduled()
             self._loop.call_soon(self._drain)
         if taken:
             self._take(taken)

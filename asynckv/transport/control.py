@@ -28,11 +28,21 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .channel import MAX_MESSAGE_BYTES, READ_BATCH, TRANSIENT_PER_S, TRANSIENT_SOCKETS, ChannelBase, log, running_in
+from .channel import (
+    MAX_MESSAGE_BYTES,
+    READ_BATCH,
+    READ_BATCH_MAX,
+    TRANSIENT_PER_S,
+    TRANSIENT_SOCKETS,
+    ChannelBase,
+    log,
+    running_in,
+)
+from .pacing import Pacer
 from .ratelimit import RateLimitedLog
 
-__all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS", "ControlChannel",
-           "RateLimitedLog"]
+__all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "READ_BATCH_MAX", "TRANSIENT_PER_S", "TRANSIENT_SOCKETS",
+           "ControlChannel", "RateLimitedLog"]
 
 LINGER_MS = 1000
 """How long ZMQ keeps trying to deliver queued frames after a socket is closed."""
@@ -73,6 +83,8 @@ class ControlChannel(ChannelBase):
         self._reading = False
         self._resume: asyncio.Handle | None = None
         """The reader's next turn, when it stopped with messages left (ZMQ's fd would not say so)."""
+        self._pacer = Pacer(READ_BATCH, READ_BATCH_MAX)
+        """Messages the reader takes a turn (``pacing``)."""
         self._closed = False
 
     @property
@@ -130,10 +142,11 @@ class ControlChannel(ChannelBase):
             self._read()
 
     def _read(self) -> None:
-        """Read and handle what is queued, ``READ_BATCH`` at most, then come back next round if more
-        may be left. A callback on ZMQ's fd, rather than a task awaiting ``recv``: no future, no task
-        step and none of pyzmq's event bookkeeping per wake-up. ZMQ's fd only signals a change, so
-        the reader reads until ``zmq.Again`` (which also clears the fd) or schedules its next turn."""
+        """Read and handle what is queued, ``READ_BATCH`` at most (more while the loop's rounds are
+        short: ``pacing``), then come back next round if more may be left. A callback on ZMQ's fd,
+        rather than a task awaiting ``recv``: no future, no task step and none of pyzmq's event
+        bookkeeping per wake-up. ZMQ's fd only signals a change, so the reader reads until
+        ``zmq.Again`` (which also clears the fd) or schedules its next turn."""
         self._resume = None
         sync, watch = self._sync, self._watch
         if not self._reading or sync is None or watch is None:
@@ -142,7 +155,7 @@ class ControlChannel(ChannelBase):
         more = True  # (until ZMQ says its queue is empty: the next message then signals the fd)
         retry = False
         try:
-            for _ in range(READ_BATCH):
+            for _ in range(self._pacer.take()):
                 if not self._reading:  # (a handler stopped it)
                     return
                 frames, origin = self._recv_now(sync)
@@ -168,6 +181,7 @@ class ControlChannel(ChannelBase):
                     self._resume = loop.call_later(0.01, self._rewatch)
                     loop.remove_reader(fd)
                 elif more:
+                    self._pacer.scheduled()
                     self._resume = loop.call_soon(self._read)  # let timers and other callbacks run first
 
     def _rewatch(self) -> None:

@@ -19,7 +19,19 @@ import numpy as np
 
 from ..errors import ClosedError, PeerUnreachable, TransportError
 from .base import U64, DescPiece, MemoryLayout, Write
-from .commands import DRAIN_BATCH, Call, Cancel, Command, Forget, Outbox, PostCmd, Relay, hand_on, map_nixl_error
+from .commands import (
+    DRAIN_BATCH,
+    DRAIN_BATCH_MAX,
+    Call,
+    Cancel,
+    Command,
+    Forget,
+    Outbox,
+    PostCmd,
+    Relay,
+    hand_on,
+    map_nixl_error,
+)
 from .merging import members
 from .nixl_engine import NixlEngine
 
@@ -54,7 +66,7 @@ class NixlDataPlane(NixlEngine):
 
     async def start(self, memory: MemoryLayout) -> bytes:
         self._loop = asyncio.get_running_loop()
-        self._outbox = Outbox(self._loop, self._on_loop, DRAIN_BATCH)
+        self._outbox = Outbox(self._loop, self._on_loop, DRAIN_BATCH, DRAIN_BATCH_MAX)
         ready: asyncio.Future[None] = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"asynckv-nixl-{self.name[:8]}",
                                         daemon=True)

@@ -17,8 +17,9 @@ It keeps the ZMQ channel's promises (``control.py``), with bounds of its own ins
   to leave, and a closed connection lingers ``LINGER_S`` at most to hand its last bytes to the peer;
   ``close`` returns once every connection is gone (a message sent to an endpoint after ``forget``
   goes out on a new connection and may overtake what the old one still hands over);
-- **fair reads**: ``READ_BATCH`` messages per loop round at most, across each connection; one with
-  more pauses until its next turn, so a flood cannot hold the loop;
+- **fair reads**: ``READ_BATCH`` messages per loop round, up to ``READ_BATCH_MAX`` while the loop's
+  rounds are short (``pacing``), across each connection; one with more pauses until its next turn,
+  so a flood cannot hold the loop;
 - **bounded reads**: ``MAX_INBOUND`` connections (a new one beyond cuts the one heard from
   longest ago), ``INBOUND_BYTES`` of unfinished messages in all (beyond, the connection holding
   the most is cut), and in protected mode one message of ``FOREIGN_MAX_BYTES`` at most from a

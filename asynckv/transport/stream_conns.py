@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, cast
 
 from ..proto.auth import is_loopback
 from ..proto.endpoints import endpoint_address
-from .channel import MAX_MESSAGE_BYTES, READ_BATCH
+from .channel import MAX_MESSAGE_BYTES, READ_BATCH, READ_BATCH_MAX
+from .pacing import Pacer
 
 if TYPE_CHECKING:
     from .stream import StreamChannel
@@ -55,6 +56,7 @@ class Inbound(asyncio.Protocol):
         """Protected mode, a peer not on loopback: one message of ``FOREIGN_MAX_BYTES`` at most is
         read (to tell a registration why not), then the connection is cut."""
         self._turn: asyncio.Handle | None = None
+        self._pacer = Pacer(READ_BATCH, READ_BATCH_MAX)
         self._loop = asyncio.get_running_loop()
         self.last_heard = next(_HEARD)
 
@@ -120,12 +122,13 @@ class Inbound(asyncio.Protocol):
             self._turn = None
 
     def _read(self) -> None:
-        """Hand on up to ``READ_BATCH`` complete messages; come back next round if more are in."""
+        """Hand on a few complete messages (``READ_BATCH``, more while the loop's rounds are short:
+        ``pacing``); come back next round if more are in."""
         self._turn = None
-        ch, buf, pos, handled = self._ch, self._buf, 0, 0
+        ch, buf, pos, handled, most = self._ch, self._buf, 0, 0, self._pacer.take()
         limit = FOREIGN_MAX_BYTES if self._foreign else MAX_MESSAGE_BYTES
         try:
-            while handled < READ_BATCH and ch._reading and len(buf) - pos >= HEADER.size:
+            while handled < most and ch._reading and len(buf) - pos >= HEADER.size:
                 (size,) = HEADER.unpack_from(buf, pos)
                 if size > limit:
                     ch.dropped["malformed"] += 1
@@ -150,8 +153,9 @@ class Inbound(asyncio.Protocol):
         transport = self._transport
         if not ch._reading or transport is None:
             return
-        if handled == READ_BATCH and len(buf) >= HEADER.size:  # maybe more complete ones: after the others
+        if handled == most and len(buf) >= HEADER.size:  # maybe more complete ones: after the others
             self.pause()
+            self._pacer.scheduled()
             self._turn = self._loop.call_soon(self._read)
         elif not transport.is_reading():
             transport.resume_reading()

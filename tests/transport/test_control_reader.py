@@ -1,5 +1,5 @@
 """The control channel's reader, a callback on ZMQ's fd: every message is handled once and in
-order, at most ``READ_BATCH`` (twice that when a new message comes mid-round) per loop round, a
+order, at most ``READ_BATCH_MAX`` (twice that when a new message comes mid-round) per loop round, a
 message that comes after the queue ran dry is still read (ZMQ's fd only signals changes), and
 nothing is read once the reader is stopped or the channel closed. It survives a failing receive,
 a bug and a ``BaseException`` escaping at any step; it stops for good when its socket is gone; a
@@ -22,7 +22,7 @@ import zmq
 
 from asynckv.proto.messages import Ping, encode, pack, unpack
 from asynckv.transport import control
-from asynckv.transport.control import READ_BATCH, ControlChannel
+from asynckv.transport.control import READ_BATCH_MAX, ControlChannel
 
 from .waiting import until
 
@@ -106,8 +106,8 @@ async def test_a_burst_is_read_in_order_a_batch_per_round(setup: Setup) -> None:
     assert setup.seqs() == list(range(200))
     assert setup.chan.received == 200 and sum(setup.chan.dropped.values()) == 0
     per_round = collections.Counter(r for _, r in setup.got)
-    assert max(per_round.values()) <= 2 * READ_BATCH, per_round
-    assert len(per_round) >= 200 // (2 * READ_BATCH)
+    assert max(per_round.values()) <= 2 * READ_BATCH_MAX, per_round
+    assert len(per_round) >= 200 // (2 * READ_BATCH_MAX)
 
 
 async def test_a_message_after_the_queue_ran_dry_is_read(setup: Setup) -> None:
@@ -147,7 +147,7 @@ async def test_close_with_a_turn_due_reads_nothing_more(setup: Setup) -> None:
             break
         await asyncio.sleep(0)
     read = len(setup.got)
-    assert 0 < read <= 2 * READ_BATCH  # (and the reader's next turn is due)
+    assert 0 < read <= 2 * READ_BATCH_MAX  # (and the reader's next turn is due)
     await setup.chan.close(flush_s=0.1)
     for _ in range(20):
         await asyncio.sleep(0)
