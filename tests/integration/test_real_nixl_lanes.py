@@ -113,6 +113,13 @@ async def until(cond: Any, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.002)
 
 
+async def stop_mid_write(plane: LanedDataPlane, proc: subprocess.Popen[str], handles: int) -> None:
+    """Stop the peer (SIGSTOP), then post write 1 of ``handles`` handles to it: each lane's part in flight."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    plane.post(1, "decode-peer", split(handles), 30.0)
+    await until(lambda: plane.posts_in_flight == 2)
+
+
 def threads_ended(plane: LanedDataPlane) -> bool:
     return all(lane._thread is None or not lane._thread.is_alive() for lane in plane.lanes)
 
@@ -124,15 +131,13 @@ async def test_stopped_peer_forget_reconnect_then_resume(peer: Any) -> None:
     proc, md, base = peer
     plane, agents, settled, _src = await make(md, base)
     try:
-        os.kill(proc.pid, signal.SIGSTOP)
-        plane.post(1, "decode-peer", split(8), 30.0)
-        await until(lambda: plane.posts_in_flight == 2)
+        await stop_mid_write(plane, proc, 8)
         plane.forget_peer("decode-peer")
         await asyncio.sleep(0.1)
         assert settled == []
         connected = await asyncio.gather(plane.connect_peer("decode-peer", md, rows_at(base), "DRAM"),
                                          return_exceptions=True)
-        assert connected == [None]  # (real NIXL takes the same name again while old handles run)
+        assert list(connected) == [None]  # (real NIXL takes the same name again while old handles run)
         plane.set_lease("decode-peer", time.monotonic() + 60)
         os.kill(proc.pid, signal.SIGCONT)
         await until(lambda: len(settled) == 1, 10)
@@ -153,9 +158,7 @@ async def test_stopped_peer_cancel_then_resume_settles_once_with_at_most_one_han
     proc, md, base = peer
     plane, agents, settled, _src = await make(md, base)
     try:
-        os.kill(proc.pid, signal.SIGSTOP)
-        plane.post(1, "decode-peer", split(8), 30.0)  # 8 handles of 8 MiB: 4 per lane
-        await until(lambda: plane.posts_in_flight == 2)
+        await stop_mid_write(plane, proc, 8)  # 8 handles of 8 MiB: 4 per lane
         reason = RuntimeError("cancelled by test")
         plane.cancel([1], reason)
         await asyncio.sleep(0.3)
@@ -173,9 +176,7 @@ async def test_stopped_peer_cancel_then_resume_settles_once_with_at_most_one_han
 async def test_stopped_peer_close_mid_split_write_does_not_hang_and_settles_once(peer: Any) -> None:
     proc, md, base = peer
     plane, _agents, settled, _src = await make(md, base)
-    os.kill(proc.pid, signal.SIGSTOP)
-    plane.post(1, "decode-peer", split(4), 30.0)
-    await until(lambda: plane.posts_in_flight == 2)
+    await stop_mid_write(plane, proc, 4)
     kept = len(agent_module._KEPT_UNTIL_EXIT)
     t0 = time.monotonic()
     await asyncio.wait_for(plane.close(), 15)
@@ -191,9 +192,7 @@ async def test_killed_peer_mid_split_write_settles_once_with_an_error(peer: Any)
     proc, md, base = peer
     plane, _agents, settled, _src = await make(md, base)
     try:
-        os.kill(proc.pid, signal.SIGSTOP)
-        plane.post(1, "decode-peer", split(8), 30.0)
-        await until(lambda: plane.posts_in_flight == 2)
+        await stop_mid_write(plane, proc, 8)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(5)
         await until(lambda: len(settled) == 1, 8)

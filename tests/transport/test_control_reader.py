@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -22,7 +23,8 @@ import zmq
 
 from asynckv.proto.messages import Ping, encode, pack, unpack
 from asynckv.transport import control
-from asynckv.transport.control import READ_BATCH_MAX, ControlChannel
+from asynckv.transport.control import READ_BATCH, READ_BATCH_MAX, ControlChannel
+from asynckv.transport.pacing import LONG_S, SHORT_S, Pacer
 
 from .waiting import until
 
@@ -108,6 +110,20 @@ async def test_a_burst_is_read_in_order_a_batch_per_round(setup: Setup) -> None:
     per_round = collections.Counter(r for _, r in setup.got)
     assert max(per_round.values()) <= 2 * READ_BATCH_MAX, per_round
     assert len(per_round) >= 200 // (2 * READ_BATCH_MAX)
+
+
+@pytest.mark.parametrize(("wait", "size"), [(SHORT_S / 2, READ_BATCH_MAX), (LONG_S * 2, READ_BATCH)])
+async def test_a_burst_is_read_as_the_readers_pacer_says(setup: Setup, wait: float, size: int) -> None:
+    """The reader's turns feed its pacer: through a burst whose turns come back within ``SHORT_S`` it
+    reads ``READ_BATCH_MAX`` a turn, past ``LONG_S`` ``READ_BATCH`` (a clock that moves ``wait`` a call)."""
+    ticks = itertools.count()
+    setup.chan._pacer = Pacer(READ_BATCH, READ_BATCH_MAX, lambda: next(ticks) * wait)
+    for seq in range(100):
+        setup.send(seq)
+    time.sleep(0.05)  # (the loop held: the burst queues up at the reader)
+    await until(lambda: len(setup.got) == 100, "100 messages")
+    assert setup.seqs() == list(range(100))
+    assert setup.chan._pacer.size == size
 
 
 async def test_a_message_after_the_queue_ran_dry_is_read(setup: Setup) -> None:

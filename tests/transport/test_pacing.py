@@ -71,7 +71,8 @@ def test_bounds_are_checked() -> None:
 
 
 def test_the_outbox_takes_more_a_round_while_the_loop_comes_back_fast_and_fewer_when_slow() -> None:
-    loop, clock, taken = ScriptedLoop(), Clock(), []
+    loop, clock = ScriptedLoop(), Clock()
+    taken: list[list[int]] = []
     box = Outbox(loop, taken.append, 4, 16, clock)  # type: ignore[arg-type]
     box.put(list(range(100)))
     sizes = []
@@ -91,7 +92,8 @@ def test_the_outbox_takes_more_a_round_while_the_loop_comes_back_fast_and_fewer_
 
 
 def test_an_outbox_without_most_takes_batch_whatever_the_rounds() -> None:
-    loop, clock, taken = ScriptedLoop(), Clock(), []
+    loop, clock = ScriptedLoop(), Clock()
+    taken: list[list[int]] = []
     box = Outbox(loop, taken.append, 4, clock=clock)  # type: ignore[arg-type]
     box.put(list(range(20)))
     while loop.round():
