@@ -23,6 +23,8 @@ from asynckv.transport.base import MemoryLayout, PreppedPiece, Write
 from asynckv.transport.lanes import LanedDataPlane
 from asynckv.transport.nixl import NixlDataPlane
 
+from ..transport.waiting import until
+
 pytestmark = pytest.mark.integration
 
 MIB = 1 << 20
@@ -105,19 +107,11 @@ async def make(peer_md: bytes, peer_base: int) -> tuple[LanedDataPlane, list[Cou
     return plane, agents, settled, src
 
 
-async def until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.002)
-
-
 async def stop_mid_write(plane: LanedDataPlane, proc: subprocess.Popen[str], handles: int) -> None:
     """Stop the peer (SIGSTOP), then post write 1 of ``handles`` handles to it: each lane's part in flight."""
     os.kill(proc.pid, signal.SIGSTOP)
     plane.post(1, "decode-peer", split(handles), 30.0)
-    await until(lambda: plane.posts_in_flight == 2)
+    await until(lambda: plane.posts_in_flight == 2, "both lanes' parts in flight")
 
 
 def threads_ended(plane: LanedDataPlane) -> bool:
@@ -140,11 +134,11 @@ async def test_stopped_peer_forget_reconnect_then_resume(peer: Any) -> None:
         assert list(connected) == [None]  # (real NIXL takes the same name again while old handles run)
         plane.set_lease("decode-peer", time.monotonic() + 60)
         os.kill(proc.pid, signal.SIGCONT)
-        await until(lambda: len(settled) == 1, 10)
+        await until(lambda: len(settled) == 1, "the write settled")
         assert settled[0][0] == 1 and settled[0][1] is not None and [a.made for a in agents] == [1, 1]
         if not isinstance(connected[0], BaseException):
             plane.post(2, "decode-peer", split(4), 30.0)
-            await until(lambda: len(settled) == 2, 10)
+            await until(lambda: len(settled) == 2, "the second write settled")
             assert settled[1] == (2, None), settled
         await asyncio.sleep(0.05)
         assert len(settled) == (1 if isinstance(connected[0], BaseException) else 2)
@@ -164,7 +158,7 @@ async def test_stopped_peer_cancel_then_resume_settles_once_with_at_most_one_han
         await asyncio.sleep(0.3)
         assert settled == []  # handles in flight: not settled yet
         os.kill(proc.pid, signal.SIGCONT)
-        await until(lambda: len(settled) == 1, 10)
+        await until(lambda: len(settled) == 1, "the write settled")
         await asyncio.sleep(0.05)
         assert settled == [(1, reason)]
         assert [a.made for a in agents] == [1, 1]
@@ -195,11 +189,11 @@ async def test_killed_peer_mid_split_write_settles_once_with_an_error(peer: Any)
         await stop_mid_write(plane, proc, 8)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(5)
-        await until(lambda: len(settled) == 1, 8)
+        await until(lambda: len(settled) == 1, "the write settled")
         await asyncio.sleep(0.05)
         assert len(settled) == 1 and settled[0][1] is not None, settled
         plane.post(2, "decode-peer", split(4), 30.0)  # into the dead peer: settles with an error, once
-        await until(lambda: len(settled) == 2, 8)
+        await until(lambda: len(settled) == 2, "the second write settled")
         assert settled[1][1] is not None
     finally:
         await asyncio.wait_for(plane.close(), 15)
