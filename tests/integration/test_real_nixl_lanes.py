@@ -2,7 +2,9 @@
 (SIGSTOP) or killed (SIGKILL) mid-write: each settles once, with at most one handle per lane landing
 after a cancel, a close does not hang and keeps the agents of lanes with handles still in flight.
 UCX_TLS=tcp, so that a stopped peer really holds handles in flight. Written by a review of the lanes'
-data plane (these held)."""
+data plane (these held). The last two end a lane's engine thread (an engine bug, the one fault here
+no peer can cause, injected at its progress call) and close the plane with the real agent behind it:
+it keeps that agent until exit while a handle of it may still run, and releases everything otherwise."""
 
 from __future__ import annotations
 
@@ -57,6 +59,43 @@ class Counting:
         return getattr(self._inner, name)
 
 
+class Dying(Counting):
+    """A real agent whose engine thread dies at its next progress call once ``die`` is set (an engine bug),
+    recording the releases made through it."""
+
+    RELEASES = ("release_xfer_handle", "release_dlist_handle", "remove_remote_agent", "deregister_memory")
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.die = False
+        self.released: list[str] = []
+
+    def get_new_notifs(self) -> Any:
+        if self.die:
+            raise SystemExit("engine bug")
+        return self._inner.get_new_notifs()
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._inner, name)
+        if name not in self.RELEASES:
+            return fn
+
+        def released(*args: Any) -> Any:
+            self.released.append(name)
+            return fn(*args)
+        return released
+
+
+async def dead(lane: NixlDataPlane) -> None:
+    """Until the lane's thread has ended (``_running`` is false a little earlier)."""
+    thread = lane._thread
+    assert thread is not None
+    await until(lambda: not thread.is_alive(), "the lane's thread ended")
+
+
+DIES = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+
+
 def rows_at(base: int) -> np.ndarray:
     r = np.zeros((ROWS, 3), dtype=np.uint64)
     r[:, 0] = base + MIB * np.arange(ROWS, dtype=np.uint64)
@@ -89,12 +128,12 @@ def peer(monkeypatch: pytest.MonkeyPatch) -> Any:
         proc.stdout.close()  # type: ignore[union-attr]
 
 
-async def make(peer_md: bytes, peer_base: int) -> tuple[LanedDataPlane, list[Counting], list[Any], np.ndarray]:
+async def make(peer_md: bytes, peer_base: int) -> tuple[LanedDataPlane, list[Dying], list[Any], np.ndarray]:
     src = np.full(ROWS * MIB, 7, dtype=np.uint8)
-    agents: list[Counting] = []
+    agents: list[Dying] = []
 
-    def factory(name: str, backend: str) -> Counting:
-        agents.append(Counting(agent_module.nixl_agent(name, backend, True)))
+    def factory(name: str, backend: str) -> Dying:
+        agents.append(Dying(agent_module.nixl_agent(name, backend, True)))
         return agents[-1]
     plane = LanedDataPlane.make("pf-lanes", 2, lambda n: NixlDataPlane(n, agent_factory=factory), relay=True)
     settled: list[Any] = []
@@ -199,3 +238,54 @@ async def test_killed_peer_mid_split_write_settles_once_with_an_error(peer: Any)
         await asyncio.wait_for(plane.close(), 15)
     assert threads_ended(plane)
     assert all(lane._posted == {} and lane._cancelled == {} and lane._in_flight == [] for lane in plane.lanes)
+
+
+@DIES
+async def test_a_dead_lane_with_a_handle_in_flight_to_a_stopped_peer_keeps_its_real_agent(peer: Any) -> None:
+    """Lane 0's thread dies while its part is in flight to a stopped peer: the write settles once, flagged in
+    flight, and the close keeps both real agents (lane 1's part still runs too) until exit, releasing nothing
+    under the handles, without hanging."""
+    proc, md, base = peer
+    plane, agents, settled, _src = await make(md, base)
+    await stop_mid_write(plane, proc, 4)
+    victim = plane.lanes[0]._agent  # (the lanes' agents are made in whichever order their threads run)
+    victim.die = True
+    await dead(plane.lanes[0])
+    kept = len(agent_module._KEPT_UNTIL_EXIT)
+    t0 = time.monotonic()
+    await asyncio.wait_for(plane.close(), 15)
+    assert time.monotonic() - t0 < 5 and threads_ended(plane)
+    await asyncio.sleep(0.05)
+    assert [p for p, _ in settled] == [1] and settled[0][1] is not None
+    assert plane.take_in_flight(1)
+    held = [k[0] for k in agent_module._KEPT_UNTIL_EXIT[kept:] if isinstance(k, tuple)]
+    assert {id(a) for a in held} == {id(a) for a in agents}, held
+    assert "deregister_memory" not in victim.released and "release_xfer_handle" not in victim.released
+
+
+@DIES
+async def test_a_dead_lane_with_nothing_in_flight_releases_its_real_agent_at_close(peer: Any) -> None:
+    """A split write lands on the running peer, then lane 0's thread dies idle: the close releases its real
+    agent's dlists, remote agent and registrations from the loop thread, keeps nothing, and a write through
+    a fresh plane to the same peer still lands."""
+    _proc, md, base = peer
+    plane, agents, settled, _src = await make(md, base)
+    plane.post(1, "decode-peer", split(4), 30.0)
+    await until(lambda: settled == [(1, None)], "the write landed")
+    victim = plane.lanes[0]._agent  # (the lanes' agents are made in whichever order their threads run)
+    victim.die = True
+    await dead(plane.lanes[0])
+    kept = len(agent_module._KEPT_UNTIL_EXIT)
+    await asyncio.wait_for(plane.close(), 15)
+    assert threads_ended(plane) and len(agent_module._KEPT_UNTIL_EXIT) == kept
+    for agent in agents:
+        assert agent.released.count("release_dlist_handle") == 2, agent.released  # the peer's and our own
+        assert agent.released.count("remove_remote_agent") == 1 and agent.released.count("deregister_memory") == 1
+    lane = plane.lanes[0]
+    assert lane._remote == {} and lane._retired == {} and lane._parked == [] and lane._reg_handles == []
+    again, _agents, settled_again, _src2 = await make(md, base)
+    try:
+        again.post(2, "decode-peer", split(4), 30.0)
+        await until(lambda: settled_again == [(2, None)], "a write through a fresh plane landed")
+    finally:
+        await asyncio.wait_for(again.close(), 15)
