@@ -108,7 +108,7 @@ class _Slots:
         self.rows.append(row)
 
 
-async def bounded(items: Iterable[T], limit: int, fn: Callable[[T], Awaitable[None]]) -> None:
+async def bounded(items: Iterable[T], limit: int, fn: Callable[[T], Awaitable[object]]) -> None:
     """``fn(item)`` for every item, at most ``limit`` at once, started in order: ``limit`` workers
     pull from one iterator. (A task per item behind a semaphore parked thousands of tasks, and
     Python 3.11's semaphore scans its waiters on each release: 1M ``Future.done`` calls for

@@ -26,7 +26,7 @@ def machine_facts() -> dict[str, Any]:
     except OSError:
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("asynckv", "nixl", "numpy", "pyzmq", "aiohttp", "uvloop"):
         try:
             versions[pkg] = metadata.version(pkg)

@@ -93,7 +93,8 @@ class RawNixl:
         return rows
 
     def _idx(self, pages: np.ndarray) -> np.ndarray:
-        return (np.arange(self.entries)[:, None] * self.pages + pages[None, :]).astype(np.int32).ravel()
+        idx: np.ndarray = (np.arange(self.entries)[:, None] * self.pages + pages[None, :]).astype(np.int32).ravel()
+        return idx
 
     def write(self, src: np.ndarray, dst: np.ndarray, notif: bytes = b"") -> float:
         """Seconds for one WRITE (plus its notification reaching the target when ``notif``)."""

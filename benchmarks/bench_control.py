@@ -24,6 +24,8 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import cast
 
 from ._common import write_result
 
@@ -42,12 +44,17 @@ async def _zmq(role: str, port_in: int, port_out: int, count: int) -> dict[str, 
     pull.bind(f"tcp://127.0.0.1:{port_in}")
     push.connect(f"tcp://127.0.0.1:{port_out}")
     loop = asyncio.get_running_loop()
+    fd = cast(int, pull.getsockopt(zmq.FD))
+
+    def close() -> None:
+        pull.close(0)
+        push.close(0)
+        ctx.term()
     return await _exchange(role, count, lambda msg: push.send(msg, zmq.NOBLOCK, copy=False),
-                           lambda deliver: loop.add_reader(pull.getsockopt(zmq.FD), _zmq_reader(pull, deliver)),
-                           lambda: (pull.close(0), push.close(0), ctx.term()))
+                           lambda deliver: loop.add_reader(fd, _zmq_reader(pull, deliver)), close)
 
 
-def _zmq_reader(pull: object, deliver: object) -> object:
+def _zmq_reader(pull: object, deliver: object) -> Callable[[], None]:
     import zmq
 
     def read() -> None:
@@ -88,8 +95,11 @@ async def _tcp(role: str, port_in: int, port_out: int, count: int) -> dict[str, 
     else:
         raise RuntimeError(f"cannot connect to port {port_out}")
     out.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return await _exchange(role, count, lambda msg: out.write(LENGTH.pack(len(msg)) + msg), handlers.append,
-                           lambda: (out.close(), server.close()))
+
+    def close() -> None:
+        out.close()
+        server.close()
+    return await _exchange(role, count, lambda msg: out.write(LENGTH.pack(len(msg)) + msg), handlers.append, close)
 
 
 async def _channel(kind: str, role: str, port_in: int, port_out: int, count: int) -> dict[str, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def run(page_counts: list[int], out_dir: pathlib.Path | None = None) -> dict[str
         dst_pages = rng.permutation(pages * 2)[:pages].astype(np.int64)
         args = (sp, dp, src_items, dst_items, PAGE_SIZE, src_pages, dst_pages, src_offs, dst_offs, nbytes)
         fast = best_of(lambda: head_slice_descriptors(*args))  # noqa: B023
-        lists = [a.tolist() if isinstance(a, np.ndarray) else a for a in args]
+        lists: list[Any] = [a.tolist() if isinstance(a, np.ndarray) else a for a in args]
         slow = best_of(lambda: ref.head_slice_descriptors(*lists), repeat=1 if pages > 10_000 else 3)  # noqa: B023
         got_s, _ = head_slice_descriptors(*args)
         want_s, _ = ref.head_slice_descriptors(*lists)
@@ -48,7 +49,7 @@ def run(page_counts: list[int], out_dir: pathlib.Path | None = None) -> dict[str
                      "speedup": slow / fast})
         print(f"  {pages:>7} pages, {len(got_s):>8} descriptors: numpy {fast * 1e3:8.2f} ms, "
               f"per-token Python {slow * 1e3:9.1f} ms, {slow / fast:6.1f}x", flush=True)
-    result = {"question": __doc__.strip().splitlines()[0], "rows": rows}
+    result: dict[str, object] = {"question": __doc__.strip().splitlines()[0], "rows": rows}
     write_result("head_slice", result, out_dir)
     return result
 

@@ -62,7 +62,7 @@ def copy_pages(a: np.ndarray, b: np.ndarray, src: np.ndarray, dst: np.ndarray, c
 
 
 async def measure(sizes: list[int], reps: int) -> list[dict[str, object]]:
-    rows = []
+    rows: list[dict[str, object]] = []
     max_pages = max(sizes) // PAGE_BYTES
     async with pair(2, max_pages, ITEM) as (p, d):
         ppool, dpool = p._bench_pools  # type: ignore[attr-defined]
@@ -78,7 +78,8 @@ async def measure(sizes: list[int], reps: int) -> list[dict[str, object]]:
                     src = np.arange(n) if layout == "contiguous" else rng.permutation(max_pages)[:n]
                     dst = np.arange(n) if layout == "contiguous" else rng.permutation(max_pages)[:n]
                     fill_pages(ppool, room_id, src)
-                    t_kv, t_send, t_raw, t_copy = [], [], [], []
+                    t_kv, t_raw, t_copy = [], [], []
+                    t_send: list[float] = []
                     for _ in range(reps):
                         t_raw.append(raw.write(src, dst))
                         t_kv.append(await room(p, d, room_id, src, dst, from_send=t_send))
@@ -165,10 +166,10 @@ def main(argv: list[str] | None = None, out_dir: pathlib.Path | None = None) -> 
         rows = run(measure(sizes, args.reps), args.loop)
     finally:
         steer_mod.steering_available = steering
-    big = [r for r in rows if int(r["bytes"]) >= 16 * 2**20]  # type: ignore[call-overload]
+    big = [r for r in rows if int(r["bytes"]) >= 16 * 2**20]
     result = {"question": __doc__.strip().splitlines()[0], "rows": rows, "loop": args.loop, "steer": args.steer,
-              "min_ratio_from_16MiB": min((float(r["ratio_vs_raw"]) for r in big), default=None),  # type: ignore[arg-type]
-              "min_pipelined_ratio_from_16MiB": min((float(r["pipelined_ratio"]) for r in big),  # type: ignore[arg-type]
+              "min_ratio_from_16MiB": min((float(r["ratio_vs_raw"]) for r in big), default=None),
+              "min_pipelined_ratio_from_16MiB": min((float(r["pipelined_ratio"]) for r in big),
                                                     default=None)}
     write_result("throughput" if args.steer == "auto" else "throughput_unsteered", result, out_dir)
     return result

@@ -56,7 +56,11 @@ def test_moves_from_two_threads_hold_the_lock() -> None:
     state = PollState()
     state._lock.acquire()
     moved = threading.Event()
-    t = threading.Thread(target=lambda: (state.advance(KVPoll.Failed, Aborted("x")), moved.set()))
+
+    def move() -> None:
+        state.advance(KVPoll.Failed, Aborted("x"))
+        moved.set()
+    t = threading.Thread(target=move)
     t.start()
     assert not moved.wait(0.05) and state.state == KVPoll.Bootstrapping  # it waits for the move in progress
     state.state = KVPoll.Transferring  # (the move in progress completes)

@@ -35,7 +35,8 @@ def model_values(kind: int, layer: int, pages: np.ndarray, page_size: int, heads
         x ^= x >> np.uint64(29)
         x *= np.uint64(0xBF58476D1CE4E5B9)
         x ^= x >> np.uint64(32)
-    return (x & np.uint64(0xFFFF)).astype(DTYPE)
+    values: np.ndarray = (x & np.uint64(0xFFFF)).astype(DTYPE)
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +131,8 @@ def expected_state(lay: Layout, rank: Rank, key: tuple[int, int], room: int, slo
     if lay.state == "mamba":  # [slot, outer, dim, elem] slice of the full model's dim axis
         full = model_values(kind, layer, np.arange(1), MAMBA_OUTER, np.arange(MAMBA_DIM), MAMBA_ELEM, room)
         dim = MAMBA_DIM // tp_size
-        return full[0][:, tp * dim:(tp + 1) * dim, :].astype(np.uint8)[None]
+        state: np.ndarray = full[0][:, tp * dim:(tp + 1) * dim, :].astype(np.uint8)[None]
+        return state
     heads = rank.heads if lay.state == "swa" else np.arange(1)
     return model_values(kind, layer, slots, lay.page_size, heads, lay.head_dim, room)
 

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from asynckv import KVPoll
 from asynckv.errors import TransportError
+from asynckv.kernels import check_pages
 from asynckv.proto import destinations
 from asynckv.proto.messages import Abort, Message, Register, RegisterResult, Status, TransferInfo, decode, encode
 from asynckv.service.writes import WriteBuilder
@@ -178,7 +179,7 @@ async def test_registrations_build_their_rows_a_few_at_a_time_in_the_order_they_
                 active[0] -= 1
             raise TransportError("test: this peer is not connected")
 
-        builder.add_peer = slow_add_peer
+        builder.add_peer = slow_add_peer  # type: ignore[method-assign]
         names = [f"decode-{i}" for i in range(8)]
         for name in names:
             await peer.send(decode_register(pair, peer, name))
@@ -197,7 +198,7 @@ class PageChecks:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[int, int]] = []
-        real = destinations.check_pages
+        real = check_pages  # (what destinations imports)
 
         def spy(pages: Any, *args: Any, **kwargs: Any) -> None:
             self.calls.append((len(pages), threading.get_ident()))
@@ -290,7 +291,7 @@ async def test_a_1000_page_head_slice_chunk_is_built_off_the_loop(staging_bytes:
                 seen.append((len(post.src), write.descriptors - aux, on_loop))
             return write
 
-        builder.build = build
+        builder.build = build  # type: ignore[method-assign]
         async with LoopLag() as lag:
             await run_room(lay, prefill, decode, addr, 5, 1000, np.random.default_rng(1), chunk=1000)
         print(f"head-slice chunks (pages, descriptors, on the loop): {seen}; worst loop lag {lag.worst * 1000:.1f} ms")
@@ -350,7 +351,7 @@ async def test_a_cancelled_close_still_ends_the_build_pool(monkeypatch: pytest.M
         pool = pair.prefill._svc._build_pool  # type: ignore[union-attr]
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(pair.prefill.close(), 0.3)  # cancelled while it waits for the build
-        assert pool._shutdown  # type: ignore[attr-defined]
+        assert pool._shutdown
         for thread in pool._threads:
             thread.join(5)  # (the build runs to its end; then the thread goes)
             assert not thread.is_alive()

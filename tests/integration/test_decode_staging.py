@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from asynckv import BootstrapServer, Config, KVManager, KVPoll, Mode
+from asynckv import BootstrapServer, Config, KVManager, KVPoll, KVReceiver, KVSender, Mode
 from asynckv.service.decode_staging import DecodeStaging
 from asynckv.service.metrics import REGISTRY
 from asynckv.testing import FaultInjector, KVPool, fill_pages, inject
@@ -48,7 +48,7 @@ def staging_of(decode: KVManager) -> DecodeStaging:
 
 
 async def start_room(prefill: list[KVManager], decode: KVManager, addr: str, room: int, src: list[int],
-                     dst: list[int]) -> tuple[object, list[object]]:
+                     dst: list[int]) -> tuple[KVReceiver, list[KVSender]]:
     receiver = decode.receiver(addr, room)
     await receiver.init(dst)
     senders = [p.sender(room) for p in prefill]
@@ -78,8 +78,8 @@ async def test_staged_rooms_land_each_ranks_heads_in_place_in_chunks_and_in_para
                 fill_pages(pool, room * 10 + r, src)
         started = [await start_room(prefill, decode, addr, room, src, dst) for room, src, dst in rooms]
         for (receiver, senders), (room, src, dst) in zip(started, rooms, strict=True):
-            assert await receiver.wait(10) == KVPoll.Success, receiver.failure_reason  # type: ignore[attr-defined]
-            assert [await s.wait(10) for s in senders] == [KVPoll.Success] * 2  # type: ignore[attr-defined]
+            assert await receiver.wait(10) == KVPoll.Success, receiver.failure_reason
+            assert [await s.wait(10) for s in senders] == [KVPoll.Success] * 2
             assert np.array_equal(rows(dpool, dst), expected_rows(ppools, src)), f"room {room}"
         untouched = sorted(set(range(PAGES)) - {p for *_, dst in rooms for p in dst})
         assert not dpool.kv[:, untouched].any()
@@ -91,7 +91,7 @@ async def test_an_aborted_staged_room_writes_nothing_into_its_pages_and_frees_it
     async with tp2_to_tp1(2 * 2**20) as (prefill, decode, ppools, dpool, addr):
         staging = staging_of(decode)
         receiver, senders = await start_room(prefill, decode, addr, 1, [0], [0])  # first contact
-        assert await receiver.wait(10) == KVPoll.Success  # type: ignore[attr-defined]
+        assert await receiver.wait(10) == KVPoll.Success
         injector = FaultInjector()
         inject(prefill[0], injector)
         injector.delay_posts(0.3)  # rank 0's write lands 0.3 s after it is posted
@@ -101,18 +101,18 @@ async def test_an_aborted_staged_room_writes_nothing_into_its_pages_and_frees_it
         receiver, senders = await start_room(prefill, decode, addr, 2, [3, 4], [6, 7])
         await asyncio.sleep(0.05)
         assert staging.free_slots == staging.slots - 4
-        assert await receiver.abort("gave up") == KVPoll.Failed  # type: ignore[attr-defined]
+        assert await receiver.abort("gave up") == KVPoll.Failed
         assert staging.free_slots == staging.slots  # fenced (rank 0 cancelled its write): the slots are free
         await asyncio.sleep(0.4)
         assert not dpool.kv.any()  # the write went into staging; nothing was copied out
         inject(prefill[0], None)
         for s in senders:
-            s.clear()  # type: ignore[attr-defined]
-        receiver.clear()  # type: ignore[attr-defined]
+            s.clear()
+        receiver.clear()
         for r, pool in enumerate(ppools):
             fill_pages(pool, 30 + r, [5])
         receiver, senders = await start_room(prefill, decode, addr, 3, [5], [6])
-        assert await receiver.wait(10) == KVPoll.Success  # type: ignore[attr-defined]
+        assert await receiver.wait(10) == KVPoll.Success
         assert np.array_equal(rows(dpool, [6]), expected_rows(ppools, [5]))
         assert staging.free_slots == staging.slots
 
@@ -188,11 +188,11 @@ async def test_a_failing_copy_fails_the_room_only_once_every_copy_of_it_ended(mo
     monkeypatch.setattr(DecodeStaging, "scatter", scatter)
     async with tp2_to_tp1(2 * 2**20) as (prefill, decode, _, _, addr):
         receiver, senders = await start_room(prefill, decode, addr, 1, [0, 1], [2, 3])
-        assert await receiver.wait(10) == KVPoll.Failed  # type: ignore[attr-defined]
+        assert await receiver.wait(10) == KVPoll.Failed
         assert ended and calls == [1, 1]  # one slice per copy, and the slow one had ended
-        assert "copy boom" in (receiver.failure_reason or "")  # type: ignore[attr-defined]
-        assert [await s.wait(5) for s in senders] == [KVPoll.Success] * 2  # type: ignore[attr-defined]
-        receiver.clear()  # type: ignore[attr-defined]
+        assert "copy boom" in (receiver.failure_reason or "")
+        assert [await s.wait(5) for s in senders] == [KVPoll.Success] * 2
+        receiver.clear()
         staging = staging_of(decode)
         assert staging.free_slots == staging.slots
 
@@ -220,7 +220,7 @@ async def test_a_tp2_and_a_tp4_prefill_share_the_slots_whichever_registers_first
         staging = staging_of(decode)
         first = groups[first_tp // 4]
         receiver, _ = await start_room(first[0], decode, first[2], 1, [0, 1], [2, 3])  # (it shapes the area)
-        assert await receiver.wait(10) == KVPoll.Success  # type: ignore[attr-defined]
+        assert await receiver.wait(10) == KVPoll.Success
         assert staging.tp_prefill == first_tp and staging.slots == 16 and staging.per_slot(4) == 2
         rooms = [(10, 1, [3, 4, 5], [9, 0, 1]), (11, 0, [6, 7], [12, 13]), (12, 1, [8, 9], [14, 6])]
         for room, g, src, _ in rooms:
@@ -230,7 +230,7 @@ async def test_a_tp2_and_a_tp4_prefill_share_the_slots_whichever_registers_first
         regs = decode._svc.core.registrations  # type: ignore[union-attr]
         assert all(regs[m.name].staged for g in groups for m in g[0])
         for (receiver, senders), (room, g, src, dst) in zip(started, rooms, strict=True):
-            assert await receiver.wait(10) == KVPoll.Success, receiver.failure_reason  # type: ignore[attr-defined]
-            assert [await s.wait(10) for s in senders] == [KVPoll.Success] * len(senders)  # type: ignore[attr-defined]
+            assert await receiver.wait(10) == KVPoll.Success, receiver.failure_reason
+            assert [await s.wait(10) for s in senders] == [KVPoll.Success] * len(senders)
             assert np.array_equal(rows(dpool, dst), expected_rows(groups[g][1], src)), f"room {room}"
         assert staging.free_slots == staging.slots

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import struct
+from typing import cast
 
 import numpy as np
 import pytest
@@ -115,7 +116,8 @@ async def test_protocol_version_mismatch_is_refused_naming_both_versions() -> No
         push = ctx.socket(zmq.PUSH)
         push.connect(pair.prefill.endpoint)
         try:
-            frames = encode(dataclasses.replace(SAMPLES["register"], prefill_id=pair.prefill.name, endpoint=endpoint))
+            register = cast(Register, SAMPLES["register"])
+            frames = encode(dataclasses.replace(register, prefill_id=pair.prefill.name, endpoint=endpoint))
             frames[0] = struct.pack("<4sHH", MAGIC, PROTOCOL_VERSION + 1, Register.TYPE)
             await push.send_multipart(frames)
             reply = decode(await asyncio.wait_for(pull.recv_multipart(), 5))

@@ -32,7 +32,7 @@ from asynckv.proto.messages import (
     encode,
 )
 from asynckv.proto.topology import stub_agent_metadata
-from asynckv.transport.control import ControlChannel
+from asynckv.transport.base import ControlPlane
 
 from ..proto.samples import SAMPLES
 from .conftest import Pair, make_pair, transfer_room
@@ -62,7 +62,7 @@ def garbage(rng: np.random.Generator, i: int) -> list[bytes]:
     return [valid[0], rng.bytes(int(rng.integers(0, 200))), *valid[2:]]  # binary body
 
 
-def accounted(control: ControlChannel) -> int:
+def accounted(control: ControlPlane) -> int:
     return sum(control.dropped.values())
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -144,9 +144,9 @@ async def test_bad_indices_are_refused_not_truncated_and_numpy_integers_are_take
             sender.clear()
         src, dst = np.array([3, 4]), np.array([5, 6])
         receiver, sender = pair.decode.receiver(pair.addr, 11), pair.prefill.sender(11)
-        assert await receiver.init(dst, np.int64(1)) == KVPoll.WaitingForInput
+        assert await receiver.init(dst, np.int64(1)) == KVPoll.WaitingForInput  # type: ignore[arg-type]
         assert await sender.wait_ready(10) == KVPoll.WaitingForInput
-        sender.init(np.int64(2), np.int32(1))
+        sender.init(np.int64(2), np.int32(1))  # type: ignore[arg-type]
         await sender.send(src)
         assert await receiver.wait(10) == KVPoll.Success and await sender.wait(10) == KVPoll.Success
 
@@ -192,7 +192,7 @@ async def test_replies_to_made_up_endpoints_open_a_bounded_number_of_sockets() -
     from asynckv import Config, KVManager, Mode
     from asynckv.proto.messages import Ping
     from asynckv.testing import KVPool
-    from asynckv.transport.control import TRANSIENT_SOCKETS
+    from asynckv.transport.control import TRANSIENT_SOCKETS, ControlChannel
 
     async with make_pair() as pair:
         fds = _open_fds()
@@ -209,7 +209,7 @@ async def test_replies_to_made_up_endpoints_open_a_bounded_number_of_sockets() -
         finally:
             push.close(0)
             ctx.term()
-        control = pair.prefill.control
+        control = cast(ControlChannel, pair.prefill.control)  # (a zmq_wire test: ZMQ's channel)
         print(f"fds {fds} -> {_open_fds()}, dropped {dict(control.dropped)}")
         assert len(control._transient) <= TRANSIENT_SOCKETS
         assert control.dropped["reply_limited"] >= 1000 and control.send_failures == 0

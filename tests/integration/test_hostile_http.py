@@ -18,7 +18,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import numpy as np
@@ -195,7 +195,8 @@ async def hold_connections(addr: str, idle: int, half_sent: int) -> list[asyncio
 @pytest.mark.parametrize("token", ["", TOKEN], ids=["no-token", "token"])
 async def test_thousands_of_hostile_requests_never_get_a_5xx_and_rooms_still_land(token: str) -> None:
     rng = np.random.default_rng(7 if token else 8)
-    async with make_pair(**({"auth_token": token} if token else {})) as pair, aiohttp.ClientSession() as http:
+    auth: dict[str, Any] = {"auth_token": token} if token else {}
+    async with make_pair(**auth) as pair, aiohttp.ClientSession() as http:
         async with http.get(f"http://{pair.addr}/route") as resp:
             real = (await resp.json())["ranks"][0]
         hostile = Hostile(rng, real, token)
@@ -235,7 +236,7 @@ async def test_thousands_of_hostile_requests_never_get_a_5xx_and_rooms_still_lan
         else:
             assert {code for (kind, code) in by_kind if kind == "replacement"} == {409}, by_kind
             assert {code for (kind, code) in by_kind if kind == "huge_instance"} == {400}, by_kind
-        server = pair.prefill.bootstrap_server
+        server = cast(BootstrapServer | None, pair.prefill.bootstrap_server)
         assert server is not None and server.http is not None
         assert server.http.evicted >= 94  # 350 held against a cap of 256
         assert rss_growth < RSS_BOUND_MIB and ticker.worst < LAG_BOUND_S

@@ -9,10 +9,13 @@ with every hybrid state kind (up to 12 ranks), per token and staged.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
+
+from asynckv import KVManager
+from asynckv.service.prefill import PrefillService
 
 from .model import Layout, check_decode, cluster, run_room
 
@@ -68,7 +71,7 @@ async def check_layout(lay: Layout, prefix_pages: int = 0, rooms: int = 2, **con
                                             prefix_pages=prefix_pages)
             check_decode(lay, prefill, decode, room * 1000 + 7, 7, dst, state_dst, prefix_pages=prefix_pages)
         if lay.state == "nsa" or (lay.mla and lay.state == "swa"):  # the same on every TP rank: one writer a stage
-            posts = sum(r.mgr._svc.core.stats["state_posts"] for r in prefill)  # type: ignore[union-attr]
+            posts = sum(cast(PrefillService, cast(KVManager, r.mgr)._svc).core.stats["state_posts"] for r in prefill)
             stages = lay.pp_prefill if lay.pp_decode == 1 else 1
             assert posts == rooms * len(decode) * stages, f"{posts} state writes for {rooms} rooms"
         for r in prefill + decode:

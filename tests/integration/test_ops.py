@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from typing import cast
 
 import aiohttp
 import pytest
@@ -12,6 +13,9 @@ from prometheus_client import generate_latest
 
 from asynckv import KVPoll
 from asynckv.service.metrics import REGISTRY
+from asynckv.service.prefill import PrefillService
+from asynckv.transport.control import ControlChannel
+from asynckv.transport.stream import StreamChannel
 
 from .conftest import make_pair, transfer_room
 
@@ -72,7 +76,8 @@ async def test_health_fails_when_the_reader_dies() -> None:
     async with make_pair(ops_port=0) as pair, aiohttp.ClientSession() as http:
         async with http.get(f"http://{pair.addr}/health") as resp:
             assert resp.status == 200
-        pair.prefill.control.stop_reader()  # a reader that died, as the reference connector's did
+        control = cast(ControlChannel | StreamChannel, pair.prefill.control)
+        control.stop_reader()  # a reader that died, as the reference connector's did
         await asyncio.sleep(0.05)
         async with http.get(f"http://{pair.addr}/health") as resp:
             body = await resp.json()
@@ -98,7 +103,7 @@ async def test_loop_lag_is_sampled_where_the_managers_timers_fire() -> None:
     and ``asynckv_loop_lag_seconds`` records it for the manager whose timer it was."""
     async with make_pair(ops_port=0) as pair, aiohttp.ClientSession() as http:
         assert await transfer_room(pair, 3, [1], [2]) == (KVPoll.Success, KVPoll.Success)
-        svc = pair.prefill._svc
+        svc = cast(PrefillService, pair.prefill._svc)
         due = svc._timer_at
         assert due is not None  # (its peer's heartbeats keep a timer armed)
         while svc.clock() < due + 0.06:  # hold the loop, as a long callback of the serving stack would

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from .test_process_faults import DETECTION_BOUND_S, receive_all, wait_registered
 
 pytestmark = pytest.mark.integration
 
-STREAM = {"control_transport": "stream"}
+STREAM: dict[str, Any] = {"control_transport": "stream"}
 
 
 async def test_rooms_move_byte_exact_over_streams() -> None:

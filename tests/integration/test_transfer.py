@@ -6,13 +6,15 @@ import asyncio
 import gc
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from asynckv import ClosedError, Config, InvalidArgument, KVManager, KVPoll, LayoutMismatch, LocalProtocolError, Mode
+from asynckv.service.decode import DecodeService
 from asynckv.testing import KVPool, verify_pages
+from asynckv.transport.lanes import LanedDataPlane
 from asynckv.transport.merging import MERGE_MIN_POSTS
 
 from .conftest import CONTROL, check_landed, make_pair, transfer_room
@@ -155,7 +157,7 @@ async def test_a_look_up_answered_while_the_decode_closes_raises_closed() -> Non
     raises ClosedError rather than returning the topology of a prefill this closed rank can no longer use
     (found by review)."""
     async with make_pair() as pair:
-        svc = pair.decode._svc
+        svc = cast(DecodeService | None, pair.decode._svc)
         assert svc is not None
         real, answered = svc.http.fetch_instance, asyncio.Event()
 
@@ -310,7 +312,7 @@ async def test_posts_queued_behind_a_busy_engine_move_merged_and_land_byte_exact
     them as merged handles (``asynckv.transport.merging``), and every page still lands where its
     room asked, over real NIXL."""
     async with make_pair(entries=2, pages=256, item=128, xfer_handle_bytes=1 << 20) as pair:
-        lane = pair.prefill.data_plane.lanes[0]  # type: ignore[attr-defined] (small posts go to lane 0)
+        lane = cast(LanedDataPlane, pair.prefill.data_plane).lanes[0]  # (small posts go to lane 0)
         assert lane.merge_limits == (1 << 20, Config().max_descs_per_xfer)  # (the fence's bound on one handle)
         gate = threading.Event()
         held = asyncio.ensure_future(lane.call(lambda agent: gate.wait(10)))

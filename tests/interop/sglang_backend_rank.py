@@ -145,8 +145,8 @@ def settings_checks() -> dict[str, Any]:
     return {
         "state_0510": as_state_indices([3, 4]).tolist(), "state_0523": as_state_indices([[3, 4]]).tolist(),
         "state_empty": as_state_indices([]), "state_two_kinds": two_kinds,
-        "empty_last_chunk": AsynckvKVSender.should_send_kv_chunk(None, 0, True),
-        "empty_middle_chunk": AsynckvKVSender.should_send_kv_chunk(None, 0, False),
+        "empty_last_chunk": AsynckvKVSender.should_send_kv_chunk(None, 0, True),  # type: ignore[arg-type]
+        "empty_middle_chunk": AsynckvKVSender.should_send_kv_chunk(None, 0, False),  # type: ignore[arg-type]
         "early_send": refused({"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "1"}),
         "round_robin": refused({}, dp_size=2, load_balance_method="round_robin"),
         "follow": refused({}, dp_size=2, load_balance_method="follow_bootstrap_room"),
@@ -168,13 +168,16 @@ def failed_elsewhere() -> dict[str, str]:
 
     now = types.SimpleNamespace(submit=lambda fn, *args: fn(*args))  # (the loop thread runs it at once)
     receiver = AsynckvKVReceiver.__new__(AsynckvKVReceiver)
-    receiver.mgr, receiver.bootstrap_room, receiver._room = types.SimpleNamespace(thread=now), 41, PollState()
+    receiver.mgr, receiver.bootstrap_room, receiver._room = (
+        types.SimpleNamespace(thread=now), 41, PollState())  # type: ignore[assignment]
     receiver._clear_when_fenced, receiver.fenced, receiver.abort_notified = False, False, False
-    receiver._view = types.SimpleNamespace(  # (the abort fails the room before failure_exception reads it)
+    # (the abort fails the room before failure_exception reads it)
+    receiver._view = types.SimpleNamespace(  # type: ignore[assignment]
         abort_nowait=lambda reason: receiver._room.advance(Poll.Failed, AsyncKVError(reason)))
     sender = AsynckvKVSender.__new__(AsynckvKVSender)
     sender.bootstrap_room, sender._room, sender._cleared = 42, PollState(), False
-    sender._on_loop = lambda *args, **kwargs: sender._room.advance(Poll.Failed, AsyncKVError("cleared"))
+    sender._on_loop = (  # type: ignore[method-assign]
+        lambda *args, **kwargs: sender._room.advance(Poll.Failed, AsyncKVError("cleared")))
     out = {}
     for name, room in (("receiver", receiver), ("sender", sender)):
         try:

@@ -39,7 +39,8 @@ def pool(mla: bool) -> KVPool:
 
 
 def page_bytes(p: KVPool, buffer: int, page: int) -> np.ndarray:
-    return p.kv[buffer, page].view(np.uint8)
+    row: np.ndarray = p.kv[buffer, page].view(np.uint8)
+    return row
 
 
 @contextlib.asynccontextmanager

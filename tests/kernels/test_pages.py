@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +22,8 @@ from asynckv.kernels import (
     split_long,
     validate_pages,
 )
+
+Rows = list[tuple[int, int, int]]  # descriptor rows as the reference takes them: (address, length, device)
 
 
 @st.composite
@@ -55,7 +60,7 @@ def test_kv_page_descriptors_match_reference(pair: tuple[np.ndarray, np.ndarray]
     sp = rng.integers(1 << 30, 1 << 40, entries).astype(np.uint64)
     dp = rng.integers(1 << 30, 1 << 40, entries).astype(np.uint64)
     si = rng.integers(1, 5000, entries).astype(np.uint64)
-    di = si + (rng.integers(0, 100, entries).astype(np.uint64) if wider_dst else 0)
+    di = cast(npt.NDArray[np.uint64], si + (rng.integers(0, 100, entries).astype(np.uint64) if wider_dst else 0))
     got_s, got_d = kv_page_descriptors(sp, dp, si, di, src, dst, 0, 3)
     want_s, want_d = ref.kv_page_descriptors(sp.tolist(), dp.tolist(), si.tolist(), di.tolist(),
                                              src.tolist(), dst.tolist(), 0, 3)
@@ -225,8 +230,8 @@ def test_split_long_matches_the_reference(rows: list[tuple[int, int]], max_len: 
     src = np.array([(a, n, 1) for a, n in rows], dtype=np.uint64).reshape(-1, 3)
     dst = np.array([(a + 7, n, 2) for a, n in rows], dtype=np.uint64).reshape(-1, 3)
     out_s, out_d = split_long(src, dst, max_len)
-    want_s, want_d = ref.split_long([tuple(map(int, r)) for r in src], [tuple(map(int, r)) for r in dst],
-                                           max_len)
+    want_s, want_d = ref.split_long(cast(Rows, [tuple(map(int, r)) for r in src]),
+                                    cast(Rows, [tuple(map(int, r)) for r in dst]), max_len)
     assert [tuple(map(int, r)) for r in out_s] == want_s and [tuple(map(int, r)) for r in out_d] == want_d
     assert int(out_s[:, 1].sum()) == sum(n for _, n in rows)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -18,13 +18,24 @@ from asynckv.proto import actions as act
 from asynckv.proto.messages import Message
 from asynckv.proto.receiver import ReceiverRoom
 from asynckv.proto.sender import SenderRoom
-from asynckv.proto.states import ReceiverState
+from asynckv.proto.states import ReceiverState, SenderState
 from asynckv.testing.simulator import FaultMix, SimNode, World
 
 MIX = FaultMix(delay_ms=(1.0, 1.0), post_ms=(1.0, 1.0), connect_ms=(5.0, 5.0), route_ms=(1.0, 1.0))
 DEFAULTS = Config(bootstrap_timeout_s=300, waiting_timeout_s=300, heartbeat_interval_s=0.5, heartbeat_max_failures=7,
                   fence_timeout_s=5.0)
 """The shipped defaults that matter here (heartbeat 0.5 s x 7, fence 5 s)."""
+
+
+@overload
+def state_of(room: ReceiverRoom) -> ReceiverState: ...
+@overload
+def state_of(room: SenderRoom) -> SenderState: ...
+def state_of(room: ReceiverRoom | SenderRoom) -> ReceiverState | SenderState:
+    """``room.state``, read afresh for the type checker: after ``assert room.state is WAITING`` it
+    takes ``room.state`` for ``WAITING`` through the calls that move the room, so a later
+    ``room.state is SUCCEEDED`` would look impossible to it."""
+    return room.state
 
 
 class Cluster:

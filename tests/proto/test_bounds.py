@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import struct
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ from asynckv.config import Config
 from asynckv.errors import Aborted, PeerUnreachable, RemoteProtocolError
 from asynckv.layout import KVArgs
 from asynckv.proto import actions as act
+from asynckv.proto.early import EarlyRoom
 from asynckv.proto.messages import (
     MAGIC,
     PROTOCOL_VERSION,
@@ -35,6 +36,7 @@ from asynckv.proto.messages import (
     encode,
 )
 from asynckv.proto.prefill import PrefillCore
+from asynckv.proto.sglang import SglangMessage
 from asynckv.proto.states import ReceiverState, SenderState
 
 from .harness import DEFAULTS, Cluster, register_pair
@@ -78,7 +80,7 @@ class Rank:
     def __init__(self, config: Config = DEFAULTS, pages: int = 64) -> None:
         self.core = PrefillCore(PREFILL, "tcp://127.0.0.1:1", kv_args(pages), config)
         self.now = 0.0
-        self.sent: list[Message] = []
+        self.sent: list[Message | SglangMessage] = []
         self.checks: list[Any] = []
         self.connects = 0
 
@@ -117,8 +119,7 @@ class Rank:
 
     def parked(self) -> int:
         """Destinations waiting in the early table."""
-        return sum(len(self.core.early.get(room).infos)  # type: ignore[union-attr]
-                   for room in list(self.core.early._rooms))
+        return sum(len(cast(EarlyRoom, self.core.early.get(room)).infos) for room in list(self.core.early._rooms))
 
 
 def rss() -> int:
@@ -283,6 +284,7 @@ def test_a_large_destination_is_checked_off_the_loop_and_later_messages_of_its_p
     assert [type(m).__name__ for m in rank.sent[3:]] == ["Status", "Pong"]  # the abort's answer, then the pong
     assert rank.core.room_counts()["destination_checks"] == 0
     sender = rank.core.open_sender(9, rank.now)  # the abort came after the destination: the sender fails
+    assert sender.reason is not None
     assert sender.state is SenderState.FAILED and "client went away" in sender.reason
     assert rank.core.room_counts()["early_bytes"] == 0
 
@@ -296,6 +298,7 @@ def test_a_check_that_finds_a_bad_index_fails_the_room_and_the_next_check_keeps_
     rank.feed(Abort(2, 1, "decode", True, 1, "gone"))
     assert len(rank.checks) == 1
     rank.answer()
+    assert sender.reason is not None
     assert sender.state is SenderState.FAILED and "appears more than once" in sender.reason
     assert rank.core.early.get(2) is not None and "decode" in rank.core.early.get(2).aborts  # type: ignore[union-attr]
 
@@ -321,6 +324,7 @@ def test_an_abort_right_after_its_destination_is_not_overtaken_by_the_check() ->
     r = c.receiver(d, 9, [1, 2])  # the destination reaches prefill at 41 ms, its check ends at 46 ms
     c.w.drive(d, "abort_receiver", r, Aborted("client went away"))  # reaches prefill at 41 ms too
     c.run_ms(100)
+    assert s.reason is not None
     assert s.state is SenderState.FAILED and c.finished_ms(s) == 46.0 and "client went away" in s.reason
     assert r.state is ReceiverState.FAILED
     ok = c.receiver(d, 10, [3])
@@ -344,6 +348,7 @@ def test_a_destination_whose_session_ends_during_its_off_loop_check_fails_its_se
     c.w.drive(p, "declare_dead", d.name, PeerUnreachable("unheard for 4.0s"))
     c.run_ms(100)
     assert s.state is SenderState.FAILED and c.finished_ms(s) == 46.0
+    assert s.reason is not None
     assert "registration session that ended before it arrived" in s.reason
     assert r.state is ReceiverState.FAILED
     c.w.drive(p, "clear_sender", s)

@@ -15,7 +15,7 @@ from asynckv.proto import actions as act
 from asynckv.proto.messages import Abort, Bye, Ping, Pong, Register, Status
 from asynckv.proto.states import KVPoll, ReceiverState, SenderState
 
-from .harness import DEFAULTS, Cluster, ready_room, register_pair, slow_posts
+from .harness import DEFAULTS, Cluster, ready_room, register_pair, slow_posts, state_of
 
 
 def test_1_aux_row_is_not_written_after_decode_reported_failed() -> None:
@@ -132,7 +132,7 @@ def test_5_a_reused_room_id_is_not_completed_by_the_old_rooms_status() -> None:
     c.run_ms(310)
     c.send(p, s2, [2, 8])
     c.run_ms(400)
-    assert r2.state is ReceiverState.SUCCEEDED and c.finished_ms(r2) == 312.050013  # with its own bytes (I3)
+    assert state_of(r2) is ReceiverState.SUCCEEDED and c.finished_ms(r2) == 312.050013  # with its own bytes (I3)
     c.check()
 
 

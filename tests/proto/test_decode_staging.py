@@ -12,6 +12,7 @@ from asynckv.proto import actions as act
 from asynckv.proto.messages import Register, RegisterResult, Status
 from asynckv.proto.states import KVPoll, ReceiverState
 
+from .harness import state_of
 from .staging_rig import HEAD_BYTES, HEADS, ITEM, LAYERS, ME, PAGE, PAGES, Rig, infos, prank, scatters
 
 
@@ -89,7 +90,7 @@ def test_rooms_wait_for_slots_in_arrival_order_and_go_on_as_rooms_finish() -> No
     assert set(infos(rig.take())) == {(2, "prefill-0"), (2, "prefill-1")}  # the second, not the smaller third
     assert third.state is ReceiverState.RESOLVING
     rig.core.abort_receiver(second, InvalidArgument("gone"), rig.now)  # fencing: its slots stay taken
-    assert not infos(rig.take()) and second.state is ReceiverState.FENCING
+    assert not infos(rig.take()) and state_of(second) is ReceiverState.FENCING
     for agent in ("prefill-0", "prefill-1"):
         rig.core.receive(Status(2, second.epoch, agent, rig.sessions[agent], 0, False, "aborted"), rig.now)
     assert second.poll() is KVPoll.Failed

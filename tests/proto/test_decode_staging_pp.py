@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -24,6 +24,7 @@ from asynckv.proto.states import KVPoll, ReceiverState
 from asynckv.proto.topology import PrefillInstance, first_writer, plan_peer, plan_targets, stub_agent_metadata
 from asynckv.service.decode_staging import MARK, DecodeStaging
 
+from .harness import state_of
 from .staging_rig import (
     ADDR,
     ENTRIES,
@@ -145,7 +146,7 @@ def test_pp_duplicate_statuses_from_one_stage_do_not_stand_in_for_the_other_stag
     assert len(sc.slices) == 2
     rig.status(a, "prefill-s1-1")
     rig.status(a, "prefill-0", ok=False, reason="late")  # late failure while SCATTERING: nothing
-    assert a.state is ReceiverState.SCATTERING and not scatters(rig.take()) and counter.given == 0
+    assert state_of(a) is ReceiverState.SCATTERING and not scatters(rig.take()) and counter.given == 0
     rig.core.scattered(a, None, rig.now)
     assert a.poll() is KVPoll.Success and counter.given == 2
     assert set(infos(rig.take())) == {(2, x) for x in PP_AGENTS}
@@ -426,7 +427,9 @@ def test_fast_and_fancy_paths_give_the_reference_result(uniform: bool, seed: int
     holes = [st.take(2) for _ in range(5)]
     st.buffer[:] = rng.integers(0, 256, len(st.buffer), dtype=np.uint8)  # dirty: earlier rooms' rows
     for i in (0, 2, 4):
-        st.give(holes[i])  # free: 0-1, 4-5, 8-9
+        hole = holes[i]
+        assert hole is not None
+        st.give(hole)  # free: 0-1, 4-5, 8-9
     for want in (1, 3, 6, 2):
         slots = st.take(want)
         if slots is None:
@@ -439,7 +442,7 @@ def test_fast_and_fancy_paths_give_the_reference_result(uniform: bool, seed: int
         marks = st.buffer[st._marks(part)]
         assert np.all(marks == st._marker), "a part's page is not marked in every entry"
         if st._mark_view(part) is not None:
-            assert np.array_equal(st._mark_view(part), marks)
+            assert np.array_equal(cast(np.ndarray, st._mark_view(part)), marks)
         for e in range(len(kv)):
             item, base = int(st.slot_items[e]), int(st._bases[e])
             page = item * 2 // tp
@@ -511,7 +514,7 @@ COMBOS = [(tp_p, tp_d, h, mla, pp) for tp_p in (1, 2, 4, 8) for tp_d in (1, 2, 4
 
 
 def test_replicated_state_has_exactly_one_non_dummy_writer_per_stage_for_every_layout() -> None:
-    bad = []
+    bad: list[tuple[object, ...]] = []
     for tp_p, tp_d, h, mla, pp in COMBOS:
         inst = _pinstance(tp_p, pp, mla)
         for d in range(tp_d):

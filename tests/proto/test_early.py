@@ -17,7 +17,7 @@ from asynckv.proto.sender import DecodePeer, Destination, PeerPhase
 from asynckv.proto.states import ReceiverState, SenderState
 from asynckv.testing.simulator import SimNode
 
-from .harness import DEFAULTS, Cluster, register_pair
+from .harness import DEFAULTS, Cluster, register_pair, state_of
 
 
 def empty_tables(*nodes: object) -> bool:
@@ -67,6 +67,7 @@ def test_a_receiver_aborted_before_init_fails_its_sender_at_once() -> None:
     c.run_ms(60)
     [(sent_ms, abort)] = c.sent(d, Abort)
     assert sent_ms == 40.0 and not abort.destination_sent
+    assert s.reason is not None
     assert s.state is SenderState.FAILED and c.finished_ms(s) == 41.0 and "request cancelled" in s.reason
     c.w.drive(p, "clear_sender", s)
     c.w.drive(d, "clear_receiver", r)
@@ -194,7 +195,7 @@ def test_an_abort_before_the_sender_fails_it_at_once_and_a_reused_id_then_succee
     s2 = c.sender(p, 7)
     c.send(p, s2, [10, 11])
     c.run_ms(80)
-    assert b.state is ReceiverState.SUCCEEDED and s2.state is SenderState.SUCCEEDED  # with B's bytes (I3)
+    assert state_of(b) is ReceiverState.SUCCEEDED and s2.state is SenderState.SUCCEEDED  # with B's bytes (I3)
     c.check()
 
 
@@ -226,11 +227,12 @@ def test_a_destination_refused_by_a_full_early_table_fails_its_room_at_once() ->
     c.run_ms(60)
     assert first.state is ReceiverState.WAITING  # parked for its sender
     assert second.state is ReceiverState.FAILED and c.finished_ms(second) == 42.0
+    assert second.reason is not None
     assert "max_early_infos" in second.reason
     s = c.sender(p, 1)
     c.send(p, s, [5])
     c.run_ms(80)
-    assert first.state is ReceiverState.SUCCEEDED
+    assert state_of(first) is ReceiverState.SUCCEEDED
     c.check()
 
 
@@ -250,7 +252,7 @@ def test_a_reused_id_does_not_reach_the_old_sender_its_decode_aborted_before_any
     new = c.sender(p, 4)
     c.send(p, new, [10, 11])
     c.run_ms(80)
-    assert b.state is ReceiverState.SUCCEEDED and new.state is SenderState.SUCCEEDED
+    assert state_of(b) is ReceiverState.SUCCEEDED and new.state is SenderState.SUCCEEDED
     c.w.drive(p, "clear_sender", new)
     c.w.drive(d, "clear_receiver", b)
     assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())
@@ -274,6 +276,7 @@ def test_a_destination_whose_session_ended_before_its_sender_fails_that_sender_a
     assert r.state is ReceiverState.FAILED  # (the decode heard prefill's goodbye)
     s = c.sender(p, 9)
     assert s.state is SenderState.FAILED and c.finished_ms(s) == 60.0  # at once, not at the bootstrap timeout
+    assert s.reason is not None
     assert "came in a registration session that ended before this sender opened" in s.reason
     assert "declared dead: unheard for 4.0s" in s.reason
     c.w.drive(p, "clear_sender", s)
@@ -307,6 +310,7 @@ def test_a_destination_that_crosses_the_goodbye_of_its_session_fails_the_waiting
     p, r = _ti_crosses_the_goodbye(c, 9, [1, 2])
     c.run_ms(60)
     assert s.state is SenderState.FAILED and c.finished_ms(s) == 51.0  # when it arrived
+    assert s.reason is not None
     assert "came in a registration session that ended before it arrived" in s.reason
     assert "declared dead: unheard for 4.0s" in s.reason
     assert p.core.stats["ended_session_info"] == 1 and p.core.stats["dropped_unknown_peer"] == 0
@@ -324,6 +328,7 @@ def test_a_destination_that_crosses_the_goodbye_fails_a_sender_opened_after_it_a
     assert p.core.room_counts()["early_rooms"] == 1  # kept (without its pages) for the sender to come
     s = c.sender(p, 9)
     assert s.state is SenderState.FAILED and c.finished_ms(s) == 60.0
+    assert s.reason is not None
     assert "came in a registration session that ended before this sender opened" in s.reason
     c.w.drive(p, "clear_sender", s)
     c.w.drive(c.d[0], "clear_receiver", r)
@@ -348,7 +353,7 @@ def test_a_destination_of_an_ended_session_does_not_touch_the_next_session_or_a_
     assert s.state is SenderState.READY, (s.state, s.reason)  # with the new destination, not the ended one
     c.send(p, s, [7, 8])
     c.run_ms(120)
-    assert r2.state is ReceiverState.SUCCEEDED and s.state is SenderState.SUCCEEDED
+    assert state_of(r2) is ReceiverState.SUCCEEDED and state_of(s) is SenderState.SUCCEEDED
     c.w.drive(d, "clear_receiver", r2)
     c.w.drive(p, "clear_sender", s)
     assert empty_tables(p, d), (p.core.room_counts(), d.core.room_counts())

@@ -12,7 +12,7 @@ from asynckv.proto.messages import Abort, TransferInfo
 from asynckv.proto.states import ReceiverState, SenderState
 from asynckv.testing.simulator import SimNode
 
-from .harness import DEFAULTS, Cluster, register_pair
+from .harness import DEFAULTS, Cluster, register_pair, state_of
 from .test_bounds import Rank, info, register
 
 DEAD = PeerUnreachable("unheard for 4.0s")
@@ -50,6 +50,7 @@ def test_a_copy_of_an_ended_destination_acts_once_and_never_fails_the_next_sessi
     s = rank.core.open_sender(9, rank.now)
     kill(rank, "X")
     rank.feed(info(9, "X", [1, 2]))  # it crossed the goodbye: the waiting sender fails at once
+    assert s.reason is not None
     assert s.state is SenderState.FAILED and "ended before it arrived" in s.reason
     rank.core.clear_sender(s, rank.now)
     rank.run()
@@ -91,6 +92,7 @@ def test_a_later_request_crossing_the_goodbye_while_the_old_sender_exists_fails_
     rank.run()
     new = rank.core.open_sender(9, rank.now)
     rank.run()
+    assert new.reason is not None
     assert new.state is SenderState.FAILED and "ended before this sender opened" in new.reason
     assert "declared dead: unheard for 4.0s" in new.reason
     rank.core.clear_sender(new, rank.now)
@@ -172,6 +174,7 @@ def test_a_copy_of_an_ended_destination_the_full_table_refused_still_acts_once_t
     rank.feed(info(2, "X", [1]))
     s = rank.core.open_sender(2, rank.now)
     rank.run()
+    assert s.reason is not None
     assert s.state is SenderState.FAILED and "ended before this sender opened" in s.reason
 
 
@@ -189,7 +192,7 @@ def test_a_later_request_parked_on_a_notice_outlives_the_notice_when_the_last_ra
     assert s2.state is SenderState.READY  # both ranks' later destinations were kept
     c.send(p, s2, [5])
     c.run_ms(120)
-    assert s2.state is SenderState.SUCCEEDED, (s2.state, s2.reason)
+    assert state_of(s2) is SenderState.SUCCEEDED, (s2.state, s2.reason)
     assert r0b.state is ReceiverState.SUCCEEDED and r1b.state is ReceiverState.SUCCEEDED
     for node, room in ((d0, r0b), (d1, r1b)):
         c.w.drive(node, "clear_receiver", room)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -113,7 +113,7 @@ def test_a_long_reason_is_cut_alike() -> None:
     msg = Status(room=1, epoch=2, prefill_id="p", session=3, sender_rank=4, ok=False,
                  reason="é" * (MAX_REASON_CHARS + 1))
     assert m.encode_frame(msg) == pack(m._encode_generic(msg))
-    assert decode([m.encode_frame(msg)]).reason == "é" * (MAX_REASON_CHARS - 3) + "..."
+    assert cast(Status, decode([m.encode_frame(msg)])).reason == "é" * (MAX_REASON_CHARS - 3) + "..."
 
 
 def _fields(msg: Any) -> dict[str, Any]:
@@ -174,7 +174,7 @@ def test_a_corrupted_frame_is_decided_as_the_generic_decoder_decides_it(name: st
 def test_pages_decode_as_read_only_little_endian_int32_either_way() -> None:
     msg = next(s for s in SAMPLES.values() if isinstance(s, TransferInfo))
     for parts in (m._encode_generic(msg), unpack(pack(m._encode_generic(msg)))):
-        fast, generic = m._FAST.decode(parts), m._decode_generic(parts)
+        fast, generic = m._FAST.decode(parts), cast(TransferInfo, m._decode_generic(parts))
         assert fast.dst_pages.dtype == generic.dst_pages.dtype == np.int32
         assert not fast.dst_pages.flags.writeable and not generic.dst_pages.flags.writeable
 
@@ -189,7 +189,7 @@ def test_the_generated_source_is_readable_python_for_each_fast_type() -> None:
 def test_a_header_part_in_any_buffer_decodes_as_the_generic_path_reads_it() -> None:
     head, body = m._encode_generic(Status(5, 7, "p", 9, 0, True, ""))
     strided = memoryview(bytes(x for c in head for x in (c, 0)))[::2]  # (8 bytes, not contiguous)
-    _same(decode([strided, body]), m._decode_generic([strided, body]))
+    _same(decode([strided, body]), m._decode_generic([strided, body]))  # type: ignore[list-item]
     wide = np.frombuffer(head, np.uint8).astype(np.uint16)  # (8 items, 16 bytes)
     assert _outcome(decode, [wide, body]) == _outcome(m._decode_generic, [wide, body])
 

@@ -12,7 +12,7 @@ from asynckv.proto.early import info_bytes
 from asynckv.proto.messages import Abort
 from asynckv.proto.states import ReceiverState, SenderState
 
-from .harness import DEFAULTS
+from .harness import DEFAULTS, state_of
 from .test_bounds import Rank, info
 from .test_ended import notice_waiting_for_rank_1
 
@@ -39,7 +39,7 @@ def test_a_later_sender_never_takes_the_old_requests_late_destination_for_its_ow
     assert s.state is SenderState.BOOTSTRAPPING and "X1" not in s.destinations
     assert [(m.epoch, m.ok, m.reason) for m in rank.statuses(9)][-1] == (1, False, "prefill gave up")
     rank.feed(info(9, "X1", [2], epoch=2, required=2))  # X1's request 2: this sender's
-    assert s.state is SenderState.READY and {d: x.epoch for d, x in s.destinations.items()} == {"X0": 2, "X1": 2}
+    assert state_of(s) is SenderState.READY and {d: x.epoch for d, x in s.destinations.items()} == {"X0": 2, "X1": 2}
     assert rank.core.room_counts()["early_rooms"] == 0  # the notice went once X1 answered
 
 
@@ -55,10 +55,10 @@ def test_end_to_end_the_old_requests_rank_fails_and_the_later_request_gets_its_o
     c.w.drive(d1, "clear_receiver", r1)
     r1b = c.receiver(d1, 9, [3])
     c.run_ms(70)
-    assert s2.state is SenderState.READY
+    assert state_of(s2) is SenderState.READY
     c.send(p, s2, [5])
     c.run_ms(120)
-    assert s2.state is SenderState.SUCCEEDED and r0b.state is ReceiverState.SUCCEEDED
+    assert state_of(s2) is SenderState.SUCCEEDED and r0b.state is ReceiverState.SUCCEEDED
     assert r1b.state is ReceiverState.SUCCEEDED
     c.check()
 

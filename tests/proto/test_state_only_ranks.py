@@ -44,6 +44,7 @@ from asynckv.proto.topology import PrefillInstance, plan_targets, stub_agent_met
 from asynckv.service.decode_staging import DecodeStaging
 from asynckv.service.manager import _register_template
 
+from .harness import state_of
 from .test_state_rank_attacks import (
     ADDR,
     DEC_EP,
@@ -330,7 +331,7 @@ def fence_trace(victim: str, how: str) -> list[Any]:
     if how in ("abort", "clear", "close", "timeout", "abort_lost"):
         got = [m for _, a, m in net.to_p if a == victim and isinstance(m, Abort)]
         assert got or how == "abort_lost", "no Abort to the rank still writing"
-        assert r.state is ReceiverState.FENCING, r
+        assert state_of(r) is ReceiverState.FENCING, r
     if how in ("abort", "clear", "close", "timeout", "bye"):
         assert set(net.inflight[victim]) <= net.cancels[victim], "its posts were not cancelled"
         assert not net.statuses(victim), "a status before its posts settled"
@@ -342,7 +343,7 @@ def fence_trace(victim: str, how: str) -> list[Any]:
         trace.append(("settled", [(m.ok, m.room) for m in net.statuses(victim)]))
     else:
         net.advance(net.now + 20.0)
-    assert r.state is ReceiverState.FAILED and id(r) in net.finished, r
+    assert state_of(r) is ReceiverState.FAILED and id(r) in net.finished, r
     trace.append(("finished", net.finished[id(r)], r.exception.__class__.__name__))
     if how in ("silence", "restart", "abort_lost"):  # fenced by its leases: none outlives the room's pages
         assert set(net.inflight[victim]) <= net.cancels[victim], "the prefill rank did not cancel its posts"
@@ -393,7 +394,7 @@ def test_a_failed_status_fences_on_every_rank_still_writing_state_only_or_not(fa
     net.advance(1.0)
     assert r.state is ReceiverState.FENCING and id(r) not in net.finished
     net.settle(writing, Aborted("cancelled"))
-    assert r.state is ReceiverState.FAILED and net.finished[id(r)] == 1.0
+    assert state_of(r) is ReceiverState.FAILED and net.finished[id(r)] == 1.0
     clear_all(net, r)
     assert_clean(net)
 
@@ -433,7 +434,7 @@ def test_the_death_of_a_state_only_rank_after_its_success_does_not_fail_the_room
     assert SO1 not in net.d.registrations and r.state is ReceiverState.WAITING
     for agent in (KV0, KV2, SO3):
         net.settle(agent)
-    assert r.state is ReceiverState.SUCCEEDED
+    assert state_of(r) is ReceiverState.SUCCEEDED
 
 
 # -- promise 2 on the prefill side --------------------------------------------------------------------------------
@@ -462,13 +463,13 @@ def test_the_prefill_cancels_a_state_only_write_and_reports_only_once_it_settled
     net.advance(1.0)
     assert not net.statuses(SO1) and r.state is ReceiverState.WAITING and id(r) not in net.finished
     net.settle(SO1)  # (it landed before the cancel took: the room failed all the same)
-    assert s.state is SenderState.FAILED
+    assert state_of(s) is SenderState.FAILED
     if how == "close":  # a closing prefill says goodbye instead: decode fences on it at once
         assert not net.statuses(SO1) and [m for _, a, m in net.to_d if a == SO1 and isinstance(m, Bye)]
         assert net.p[SO1].closed
     else:
         assert [m.ok for m in net.statuses(SO1)] == [False]
-    assert r.state is ReceiverState.FAILED
+    assert state_of(r) is ReceiverState.FAILED
     clear_all(net, r)
     net.advance(net.now + 1.0)
     assert_clean(net)
@@ -522,10 +523,10 @@ def test_a_state_only_rank_registered_again_counts_in_its_new_session_only() -> 
     for agent in (KV0, KV2, SO3):
         net.settle(agent)
     net.settle(SO1, kind="state")  # (both rooms' posts: room 7's cancelled one lands too)
-    assert r8.state is ReceiverState.SUCCEEDED and r8.responses == set(ALL)
+    assert state_of(r8) is ReceiverState.SUCCEEDED and r8.responses == set(ALL)
     assert r7.state is ReceiverState.FENCING
     net.advance(10.0)
-    assert r7.state is ReceiverState.FAILED and net.finished[id(r7)] >= end
+    assert state_of(r7) is ReceiverState.FAILED and net.finished[id(r7)] >= end
     clear_all(net, r7)
     clear_all(net, r8, 8)
     assert_clean(net)
@@ -576,7 +577,7 @@ def test_a_plain_dummys_success_is_dropped_and_cannot_complete_a_room() -> None:
     assert net.d.stats["dropped_unexpected_status"] - before == 6
     assert not r.ranks[SO1].done and not r.ranks[SO1].may_write
     net.status(r, KV2)
-    assert r.state is ReceiverState.SUCCEEDED
+    assert state_of(r) is ReceiverState.SUCCEEDED
 
 
 def test_a_state_only_success_in_another_session_or_before_its_destination_is_not_counted() -> None:
@@ -606,7 +607,7 @@ def test_the_rooms_of_one_core_count_state_only_ranks_each_by_its_own_state() ->
     assert b.state is ReceiverState.SUCCEEDED and b.responses == {KV0, KV2}
     assert a.state is ReceiverState.WAITING
     net.status(a, SO1)
-    assert a.state is ReceiverState.SUCCEEDED
+    assert state_of(a) is ReceiverState.SUCCEEDED
 
 
 # -- promise 4: what the prefill posts and reports --------------------------------------------------------------------
@@ -711,13 +712,13 @@ def test_state_only_ranks_take_no_staging_slots() -> None:
         net.settle(agent)
     assert a.state is ReceiverState.WAITING and b.state is ReceiverState.RESOLVING
     net.settle(SO1)
-    assert a.state is ReceiverState.SUCCEEDED and len(net.scatters) == 1
+    assert state_of(a) is ReceiverState.SUCCEEDED and len(net.scatters) == 1
     assert {s.agent_id for s in net.scatters[0].slices} == {KV0, KV2}
-    assert b.state is ReceiverState.WAITING and set(b.staged) == {KV0, KV2}
+    assert state_of(b) is ReceiverState.WAITING and set(b.staged) == {KV0, KV2}
     net.send(8)
     for agent in ALL:
         net.settle(agent)
-    assert b.state is ReceiverState.SUCCEEDED
+    assert state_of(b) is ReceiverState.SUCCEEDED
     clear_all(net, a)
     clear_all(net, b, 8)
     assert_clean(net)
@@ -733,7 +734,7 @@ def test_a_staged_room_fencing_on_a_state_only_rank_keeps_its_slots_until_the_fe
     net.pump()
     assert r.state is ReceiverState.FENCING and net.staging is not None and net.staging.free_slots == 0
     net.settle(SO1, Aborted("cancelled"))
-    assert r.state is ReceiverState.FAILED and net.staging.free_slots == 6
+    assert state_of(r) is ReceiverState.FAILED and net.staging.free_slots == 6
     clear_all(net, r)
     assert_clean(net)
 

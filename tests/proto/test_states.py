@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from asynckv.errors import LocalProtocolError
@@ -16,7 +18,12 @@ from asynckv.proto.states import (
     transition,
 )
 
-TABLES = [("sender", SENDER_TRANSITIONS, SENDER_POLL), ("receiver", RECEIVER_TRANSITIONS, RECEIVER_POLL)]
+Table = dict[Any, dict[Event, Any]]
+"""A side's transitions: state -> event -> new state (``SenderState`` or ``ReceiverState``)."""
+Poll = dict[Any, KVPoll]
+
+TABLES: list[tuple[str, Table, Poll]] = [("sender", SENDER_TRANSITIONS, SENDER_POLL),
+                                         ("receiver", RECEIVER_TRANSITIONS, RECEIVER_POLL)]
 
 
 def test_kvpoll_keeps_the_reference_values_for_min_reduction() -> None:
@@ -50,7 +57,7 @@ def test_a_fencing_receiver_never_polls_failed_before_it_is_fenced() -> None:
 
 
 @pytest.mark.parametrize("name, table, poll", TABLES)
-def test_terminal_states_are_sticky_and_every_live_state_can_fail(name: str, table: dict, poll: dict) -> None:
+def test_terminal_states_are_sticky_and_every_live_state_can_fail(name: str, table: Table, poll: Poll) -> None:
     for state, moves in table.items():
         if poll[state] in (KVPoll.Success, KVPoll.Failed) and state not in (SenderState.DRAINING,):
             assert not moves or state is ReceiverState.FENCING, f"{name} {state} is terminal but has moves"
@@ -59,7 +66,7 @@ def test_terminal_states_are_sticky_and_every_live_state_can_fail(name: str, tab
 
 
 @pytest.mark.parametrize("name, table, poll", TABLES)
-def test_every_state_has_a_poll_value_and_is_reachable(name: str, table: dict, poll: dict) -> None:
+def test_every_state_has_a_poll_value_and_is_reachable(name: str, table: Table, poll: Poll) -> None:
     assert set(poll) == set(table)
     reached, frontier = set(), [next(iter(table))]
     while frontier:

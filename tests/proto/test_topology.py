@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -9,10 +9,13 @@ import pytest
 from asynckv.errors import LayoutMismatch, RemoteProtocolError
 from asynckv.layout import KVArgs
 from asynckv.proto.bootstrap import RankTable
+from asynckv.proto.messages import Register
 from asynckv.proto.topology import PrefillInstance, check_compatible, head_slice, plan_peer, plan_targets
 
 from .samples import SAMPLES
 from .test_bootstrap_table import rank
+
+REGISTER = cast(Register, SAMPLES["register"])
 
 
 def instance(**kw: Any) -> PrefillInstance:
@@ -129,7 +132,7 @@ def local_args(**kw: Any) -> KVArgs:
 
 
 def test_equal_layout_copies_whole_pages() -> None:
-    plan = plan_peer(local_args(), SAMPLES["register"])  # type: ignore[arg-type]
+    plan = plan_peer(local_args(), REGISTER)
     assert plan.whole_pages and plan.src_entries.tolist() == plan.dst_entries.tolist() == [0, 1]
     assert plan.state is not None and plan.state.kind == "items"
 
@@ -137,7 +140,7 @@ def test_equal_layout_copies_whole_pages() -> None:
 def test_tp_difference_plans_head_slices_and_mamba_blocks() -> None:
     local = local_args(tp_size=4, engine_rank=3, kv_head_num=2, kv_item_lens=[16384] * 2, state_item_lens=[512],
                        state_dim_per_tensor=[32])
-    plan = plan_peer(local, SAMPLES["register"])  # type: ignore[arg-type]
+    plan = plan_peer(local, REGISTER)
     assert plan.head_slice is not None and not plan.whole_pages
     assert plan.head_slice.dst_offs.tolist() == [1024] * 2 and plan.head_slice.nbytes.tolist() == [1024] * 2
     assert plan.state is not None and plan.state.blocks is not None
@@ -148,8 +151,7 @@ def test_tp_difference_plans_head_slices_and_mamba_blocks() -> None:
 def staged_register(**kw: Any) -> Any:
     """The sample decode (TP2 rank 1, 4 heads) as its staging area registers with prefill TP4 rank 3: a
     rank of TP4 holding 2 heads, whose state entries are the real rank's (``state_tp_size``)."""
-    return dataclasses.replace(SAMPLES["register"], tp_size=4, engine_rank=3, kv_head_num=2,  # type: ignore[type-var]
-                               kv_item_lens=(16384, 16384), **kw)
+    return dataclasses.replace(REGISTER, tp_size=4, engine_rank=3, kv_head_num=2, kv_item_lens=(16384, 16384), **kw)
 
 
 def test_a_staging_areas_register_gets_whole_pages_and_state_for_the_real_rank() -> None:
@@ -197,7 +199,7 @@ def test_a_staging_areas_register_gets_swa_head_slices_for_the_real_rank() -> No
     ({"tp_size": 4, "state_dims": ()}, "kv_head_num inconsistent"),
 ])
 def test_registration_refused_naming_both_values(patch: dict[str, Any], needle: str) -> None:
-    reg = dataclasses.replace(SAMPLES["register"], **patch)  # type: ignore[type-var]
+    reg = dataclasses.replace(REGISTER, **patch)
     with pytest.raises(LayoutMismatch, match=needle):
         plan_peer(local_args(), reg)
 

@@ -9,11 +9,12 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from asynckv import BootstrapServer, BootstrapTimeout, ClosedError, PeerUnreachable, RemoteProtocolError
@@ -329,7 +330,7 @@ async def test_protected_mode_answers_403_with_the_reason_to_a_mocked_remote() -
                                        ("::ffff:127.0.0.1", "/route", 503), ("::ffff:10.1.2.3", "/route", 403)):
             transport = mock.Mock()
             transport.get_extra_info.return_value = (remote, 4242)
-            resp = await app._handle(make_mocked_request("GET", path, app=app, transport=transport))
+            resp = cast(web.Response, await app._handle(make_mocked_request("GET", path, app=app, transport=transport)))
             assert resp.status == expected, (remote, path, resp.status)
             if expected == 403:
                 assert resp.text is not None and PROTECTED_MODE_REASON.split(":")[0] in resp.text

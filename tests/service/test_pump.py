@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -53,7 +53,7 @@ async def test_actions_run_in_order_even_when_running_one_feeds_the_core_again()
 
     def send_then_feed(a: act.Send) -> None:
         original(a)
-        if a.msg.reason == "a-1":  # running a-1 feeds the core: its actions queue behind a-2
+        if cast(Bye, a.msg).reason == "a-1":  # running a-1 feeds the core: its actions queue behind a-2
             pump.feed("poke", "b")
 
     pump.handlers[act.Send] = send_then_feed

@@ -3,6 +3,8 @@ write must address exactly the rows the descriptor path would write."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -93,7 +95,8 @@ def test_the_aux_row_riding_on_a_kv_post_joins_its_last_handle_at_the_rows_the_a
     alone, riding = builder.build(kv_post([1, 2], [7, 9], None)), builder.build(kv_post([1, 2], [7, 9], (3, 5)))
     aux = builder.build(aux_post(3, 5))
     (kv_piece,), (aux_piece,), (piece,) = alone.pieces, aux.pieces, riding.pieces
-    assert all(isinstance(x, PreppedPiece) for x in (piece, kv_piece, aux_piece))
+    assert (isinstance(piece, PreppedPiece) and isinstance(kv_piece, PreppedPiece)
+            and isinstance(aux_piece, PreppedPiece))
     assert piece.src_idx.tolist() == kv_piece.src_idx.tolist() + aux_piece.src_idx.tolist()
     assert piece.dst_idx.tolist() == kv_piece.dst_idx.tolist() + aux_piece.dst_idx.tolist()
     assert (riding.nbytes, riding.descriptors) == (alone.nbytes + aux.nbytes, alone.descriptors + aux.descriptors)
@@ -131,8 +134,9 @@ def test_a_small_post_with_its_aux_row_is_built_in_one_pass_as_the_general_way_b
         data: st.DataObject, bounds: tuple[int | None, int | None]) -> None:
     builder, _, _ = connected(decode_aux_rows=32)
     descs, handle = bounds
-    builder.config = Config(prepped_dlists=True, staging_bytes=0, **({"max_descs_per_xfer": descs} if descs else {}),
-                            **({"xfer_handle_bytes": handle} if handle else {}))
+    limits: dict[str, Any] = {**({"max_descs_per_xfer": descs} if descs else {}),
+                              **({"xfer_handle_bytes": handle} if handle else {})}
+    builder.config = Config(prepped_dlists=True, staging_bytes=0, **limits)
     n = data.draw(st.integers(1, 8))
     src, dst = data.draw(st.permutations(range(8)))[:n], data.draw(st.permutations(range(32)))[:n]
     aux = (data.draw(st.integers(0, 15)), data.draw(st.integers(0, 31)))

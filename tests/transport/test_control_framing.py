@@ -15,7 +15,8 @@ from asynckv.proto.auth import Authenticator
 from asynckv.proto.messages import MAGIC, Ping, VersionMismatch, decode, encode, pack, unpack
 from asynckv.transport.control import ControlChannel
 
-from .test_control_reader import ping, started, until
+from .test_control_reader import ping, started
+from .waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from asynckv.proto.messages import Ping, encode, pack, unpack
-from asynckv.transport import control
+from asynckv.transport import channel
 from asynckv.transport.control import READ_BATCH, READ_BATCH_MAX, ControlChannel
 from asynckv.transport.pacing import LONG_S, SHORT_S, Pacer
 
@@ -298,7 +298,7 @@ async def test_an_escape_while_logging_a_gone_socket_still_stops_the_reader(
         raise Escaping()
 
     monkeypatch.setattr(ControlChannel, "_recv_now", gone)
-    monkeypatch.setattr(control.log, "error", escaping)
+    monkeypatch.setattr(channel.log, "error", escaping)  # (the logger control.py imports)
     setup.send(0)
     await until(lambda: not setup.chan.reader_alive, "the reader to stop")
 

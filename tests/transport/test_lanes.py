@@ -153,7 +153,7 @@ async def test_leases_and_forgetting_a_peer_apply_on_every_lane() -> None:
     assert transfers(a) == transfers(b) == 0
     plane.forget_peer("peer")
     for agent in (a, b):
-        await until(lambda agent=agent: ("remove_remote_agent", "peer") in agent.calls)  # type: ignore[misc]
+        await until(lambda agent=agent: ("remove_remote_agent", "peer") in agent.calls)
     await plane.close()
     assert not plane.alive
 
@@ -268,7 +268,7 @@ async def test_a_dead_lane_takes_no_more_posts_and_what_it_held_settles_as_its_t
     kill["now"] = True
     lane1 = plane.lanes[1]
     assert lane1._thread is not None
-    await until(lambda: not lane1._thread.is_alive())  # type: ignore[union-attr]
+    await until(lambda: not lane1._thread.is_alive())
     await until(lambda: [p for p, _ in settled] == [2])  # what the dead thread held settles as it ends
     dead = dict(settled)[2]
     assert dead is not None and "engine thread died" in str(dead)
@@ -296,7 +296,7 @@ async def test_a_plane_whose_engine_thread_died_settles_posts_at_once() -> None:
     await plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64)))
     state["die"] = True
     assert plane._thread is not None
-    await until(lambda: not plane._thread.is_alive())  # type: ignore[union-attr]
+    await until(lambda: not plane._thread.is_alive())
     plane.post(7, "peer", prepped(), 30.0)
     await until(lambda: len(settled) == 1)
     assert settled[0][0] == 7 and "engine thread is dead" in str(settled[0][1])

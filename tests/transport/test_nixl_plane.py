@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from asynckv.proto.topology import metadata_agent_name, stub_agent_metadata
 from asynckv.transport.base import DescPiece, MemoryLayout, PreppedPiece, Write
 from asynckv.transport.commands import PostCmd
 from asynckv.transport.nixl import NixlDataPlane
-from asynckv.transport.nixl_engine import _MIN_IDLE_WAIT_S
+from asynckv.transport.nixl_engine import _MIN_IDLE_WAIT_S, SETTLE_AT_CLOSE_S
 
 
 class FakeAgent:
@@ -255,7 +256,7 @@ async def test_a_write_over_tcp_keeps_one_handle_in_flight_so_a_cancel_stops_it_
     plane, settled = await started(agent)
     pieces = tuple(DescPiece(rows(1), rows(1), "DRAM", "DRAM") for _ in range(3))
     plane.post(1, "peer", Write(pieces, 3, 192), 30.0)
-    made = lambda: [h for n, h in agent.calls if n == "initialize_xfer"]  # noqa: E731
+    made: Callable[[], list[Any]] = lambda: [h for n, h in agent.calls if n == "initialize_xfer"]  # noqa: E731
     await until(lambda: len(made()) == 1)
     await asyncio.sleep(0.02)
     assert len(made()) == 1  # the second handle waits for the first
@@ -404,7 +405,7 @@ async def test_a_command_that_woke_the_engine_just_before_its_thread_died_still_
     else:
         call = asyncio.ensure_future(plane.call(lambda agent: "ok"))
     assert plane._thread is not None
-    await until(lambda: not plane._thread.is_alive())  # type: ignore[union-attr]
+    await until(lambda: not plane._thread.is_alive())
     await plane.close()
     if call is None:
         await until(lambda: len(settled) == 1)
@@ -433,7 +434,8 @@ class RecordingOutbox:
 async def test_a_post_that_copied_is_handed_to_the_loop_before_the_next_copy_of_its_round() -> None:
     """Three posts queue while the engine is busy, so that it takes them in one round; each copies
     inside ``transfer()`` (CMA). The first's settle must not wait for the other two copies."""
-    agent, events = FakeAgent(), []
+    agent = FakeAgent()
+    events: list[tuple[str, Any]] = []
     agent.finish = True
     plane, settled = await started(agent)
     plane._outbox = RecordingOutbox(plane._outbox, events)  # type: ignore[assignment]
@@ -537,9 +539,9 @@ async def test_posts_that_finish_while_a_close_fails_midway_still_settle(fails: 
     closing = {"now": False, "polls": 0}
     real_shutdown, real_notifs = plane._shutdown, agent.get_new_notifs
 
-    def shutdown() -> None:
+    def shutdown(settle_s: float = SETTLE_AT_CLOSE_S) -> None:
         closing["now"] = True
-        real_shutdown()
+        real_shutdown(settle_s)
     plane._shutdown = shutdown  # type: ignore[method-assign]
 
     def notifs() -> dict[str, list[bytes]]:
@@ -593,7 +595,7 @@ async def test_a_settle_handler_that_raises_does_not_hold_back_a_dead_threads_or
     await until(lambda: [p for p, _ in settled] == [2])  # before close: the held post settled (failed)
     assert isinstance(settled[0][1], Exception) and "engine thread died" in str(settled[0][1])
     assert plane._thread is not None
-    await until(lambda: not plane._thread.is_alive())  # type: ignore[union-attr] (its death is this test's, not the next's)
+    await until(lambda: not plane._thread.is_alive())  # (its death is this test's, not the next's)
     await plane.close()
 
 
@@ -630,10 +632,10 @@ async def test_a_close_that_raises_while_checking_posts_settles_each_once() -> N
     releases = {"closing": False, "n": 0}
     real_shutdown, real_release = plane._shutdown, agent.release_xfer_handle
 
-    def shutdown() -> None:
+    def shutdown(settle_s: float = SETTLE_AT_CLOSE_S) -> None:
         releases["closing"] = True
         agent.done.update(p.handle for p in plane._in_flight)  # both complete while close waits
-        real_shutdown()
+        real_shutdown(settle_s)
     plane._shutdown = shutdown  # type: ignore[method-assign]
 
     def release(h: int) -> None:

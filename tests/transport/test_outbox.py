@@ -34,7 +34,8 @@ class ScriptedLoop:
 
 
 def scripted(batch: int) -> tuple[ScriptedLoop, Outbox, list[list[int]]]:
-    loop, taken = ScriptedLoop(), []
+    loop = ScriptedLoop()
+    taken: list[list[int]] = []
     return loop, Outbox(loop, taken.append, batch), taken  # type: ignore[arg-type]
 
 

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -51,13 +51,13 @@ class Hooked(Steer):
         self.hook: Callable[[], None] | None = None
         super().__init__(*args, **kwargs)
 
-    @property  # type: ignore[override]
+    @property
     def _moved(self) -> bool:
-        return bool(Steer._moved.__get__(self))  # type: ignore[attr-defined]
+        return bool(cast(Any, Steer)._moved.__get__(self))  # (the slot's descriptor, under this property)
 
     @_moved.setter
     def _moved(self, value: bool) -> None:
-        Steer._moved.__set__(self, value)  # type: ignore[attr-defined]
+        cast(Any, Steer)._moved.__set__(self, value)
         hook, self.hook = (self.hook, None) if not value else (None, self.hook)
         if hook is not None:
             hook()
@@ -273,7 +273,11 @@ async def test_a_lane_woken_again_while_it_restores_its_mask_gets_its_own_mask_b
     go = threading.Event()
     steer = cpus.steer(Hooked)
     assert isinstance(steer, Hooked)
-    steer.hook = lambda: (woken.set(), go.wait(5))  # (lane 1's thread, in back(), its flag just cleared)
+
+    def hook() -> None:  # (lane 1's thread, in back(), its flag just cleared)
+        woken.set()
+        go.wait(5)
+    steer.hook = hook
     plane.lanes[0].steer, plane.lanes[1].steer = cpus.steer(), steer
     try:
         plane.post(1, "peer", split_write(), 30.0)

@@ -17,7 +17,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import uvloop
@@ -55,7 +55,8 @@ def on_both_loops(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[...,
     test.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("loop", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params])
     test.__name__, test.__qualname__, test.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    return pytest.mark.parametrize("loop", list(LOOPS))(test)
+    parametrized: Callable[..., None] = pytest.mark.parametrize("loop", list(LOOPS))(test)
+    return parametrized
 
 HEADER = struct.Struct("!I")
 RAW = (lambda frames: unpack(frames[0])[0], lambda body: [body])
@@ -103,7 +104,7 @@ class RawPeer:
             self.conns.append(got)
             self.writers.append(writer)
             if not read:
-                writer.transport.pause_reading()
+                cast(asyncio.Transport, writer.transport).pause_reading()
                 return
             with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
                 while True:

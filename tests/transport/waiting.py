@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 
-async def until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+async def until(cond: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
     """Poll ``cond`` every millisecond; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not cond():
