@@ -17,9 +17,13 @@ from .liveness import Liveness, PeerState
 from .messages import MAX_ROOM, Ping
 from .timers import Deadlines
 
-__all__ = ["Core", "check_int", "check_new_room"]
+__all__ = ["Core", "Integer", "check_int", "check_new_room"]
 
 log = logging.getLogger("asynckv.core")
+
+
+Integer = int | np.integer[Any]
+"""What the API takes for a count or an index: a Python or numpy integer (``check_int`` refuses bool)."""
 
 
 def check_int(value: Any, what: str, low: int = 0) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Aborted
+from ..proto.core import Integer
 from ..proto.receiver import ReceiverRoom
 from ..proto.states import KVPoll, ReceiverState
 from .pump import Outcome
@@ -57,8 +58,8 @@ class KVReceiver:
         """The exception that failed the room, or None."""
         return self.state.exception
 
-    async def init(self, page_indices: Any, aux_index: int = -1, state_indices: Any = None,
-                   decode_prefix_len: int = 0) -> KVPoll:
+    async def init(self, page_indices: Any, aux_index: Integer = -1, state_indices: Any = None,
+                   decode_prefix_len: Integer = 0) -> KVPoll:
         """Send the destination to the prefill rank(s) of this room.
 
         ``page_indices``: decode pages for the prompt after the first ``decode_prefix_len``
@@ -73,8 +74,8 @@ class KVReceiver:
             await self._init.wait()
         return self.poll()
 
-    def init_nowait(self, page_indices: Any, aux_index: int = -1, state_indices: Any = None,
-                    decode_prefix_len: int = 0) -> None:
+    def init_nowait(self, page_indices: Any, aux_index: Integer = -1, state_indices: Any = None,
+                    decode_prefix_len: Integer = 0) -> None:
         """``init()`` for synchronous callers: validate (bad input raises) and start sending the
         destination without waiting; ``on_done`` reports the outcome."""
         self._svc.feed("receiver_init", self.state, page_indices, aux_index, state_indices, decode_prefix_len)

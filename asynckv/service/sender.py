@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Aborted
+from ..proto.core import Integer
 from ..proto.sender import SenderRoom
 from ..proto.states import KVPoll, SenderState
 from .pump import Outcome, outcome
@@ -66,7 +67,7 @@ class KVSender:
         """Wait until decode's destination is known (WaitingForInput) or the room failed."""
         return await self._ready.wait(timeout)
 
-    def init(self, num_pages: int, aux_index: int = -1) -> None:
+    def init(self, num_pages: Integer, aux_index: Integer = -1) -> None:
         """Declare how many pages the room sends in total and which aux row carries its metadata."""
         self._svc.feed("sender_init", self.state, num_pages, aux_index)
 

@@ -144,9 +144,9 @@ async def test_bad_indices_are_refused_not_truncated_and_numpy_integers_are_take
             sender.clear()
         src, dst = np.array([3, 4]), np.array([5, 6])
         receiver, sender = pair.decode.receiver(pair.addr, 11), pair.prefill.sender(11)
-        assert await receiver.init(dst, np.int64(1)) == KVPoll.WaitingForInput  # type: ignore[arg-type]
+        assert await receiver.init(dst, np.int64(1)) == KVPoll.WaitingForInput
         assert await sender.wait_ready(10) == KVPoll.WaitingForInput
-        sender.init(np.int64(2), np.int32(1))  # type: ignore[arg-type]
+        sender.init(np.int64(2), np.int32(1))
         await sender.send(src)
         assert await receiver.wait(10) == KVPoll.Success and await sender.wait(10) == KVPoll.Success
 
