@@ -43,7 +43,9 @@ configurations interleaved the same way differed by 5-24% in their medians. 1 ha
 loop round per message). A reader reads more, up to ``READ_BATCH_MAX``, while the loop's rounds
 are short (``pacing.Pacer``)."""
 READ_BATCH_MAX = 4
-"""Messages a reader takes in a row at the most, while the loop's rounds are short (``pacing``)."""
+"""Messages a reader takes in a row at the most, while the loop's rounds are short (``pacing``). That
+bounds a turn; a ZMQ reader can run two turns in a round (one it scheduled, which emptied the socket,
+then the callback of ZMQ's fd, already due), so over ZMQ a round reads up to twice this."""
 TRANSIENT_SOCKETS = 32
 """Connections kept open for replies to endpoints nobody vouched for (the least recently used goes)."""
 TRANSIENT_PER_S = 50.0

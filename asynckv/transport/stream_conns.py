@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 from ..proto.auth import is_loopback
 from ..proto.endpoints import endpoint_address
-from .channel import MAX_MESSAGE_BYTES, READ_BATCH, READ_BATCH_MAX
+from .channel import MAX_MESSAGE_BYTES, READ_BATCH, READ_BATCH_MAX, log
 from .pacing import Pacer
 
 if TYPE_CHECKING:
@@ -99,7 +99,14 @@ class Inbound(asyncio.Protocol):
             if victim is self:
                 return
         if self._turn is None:
-            self._read()
+            try:
+                self._read()
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException:  # (past _handle's own boundary: a bug, or a BaseException from a handler.
+                # Out of data_received it would make the transport drop the connection and the
+                # messages behind; _read's next turn is scheduled already, as the ZMQ reader goes on)
+                log.exception("control: reading a connection from %s failed", self._origin or "a peer")
 
     def pause(self) -> None:
         if self._transport is not None and self._transport.is_reading():
@@ -127,6 +134,7 @@ class Inbound(asyncio.Protocol):
         self._turn = None
         ch, buf, pos, handled, most = self._ch, self._buf, 0, 0, self._pacer.take()
         limit = FOREIGN_MAX_BYTES if self._foreign else MAX_MESSAGE_BYTES
+        escaped = True
         try:
             while handled < most and ch._reading and len(buf) - pos >= HEADER.size:
                 (size,) = HEADER.unpack_from(buf, pos)
@@ -146,14 +154,20 @@ class Inbound(asyncio.Protocol):
                 if self._foreign:  # (heard once, refused: it gets no more of our memory)
                     self.cut()
                     return
-        finally:
+            escaped = False
+        finally:  # (whatever escaped a message's handling, the ones behind it are not stranded)
             done = min(pos, len(buf))  # (a cut buffer was released whole)
             del buf[:done]
             ch._buffered -= done
+            self._next_turn(escaped or handled == most)
+
+    def _next_turn(self, more: bool) -> None:
+        """After a turn: come back next round if it may have left complete messages (``more``), with the
+        connection paused meanwhile; else read from the connection again."""
         transport = self._transport
-        if not ch._reading or transport is None:
+        if not self._ch._reading or transport is None:
             return
-        if handled == most and len(buf) >= HEADER.size:  # maybe more complete ones: after the others
+        if more and len(self._buf) >= HEADER.size:  # maybe more complete ones: after the others
             self.pause()
             self._pacer.scheduled()
             self._turn = self._loop.call_soon(self._read)

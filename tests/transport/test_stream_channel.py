@@ -614,3 +614,34 @@ async def test_a_host_name_binds_one_address_and_advertises_it() -> None:
         assert endpoint == f"stream://{host}:{port}" and host == "127.0.0.1"
     finally:
         await chan.close()
+
+
+class Escaping(BaseException):
+    """Not an Exception (a CancelledError read from a cancelled future, a signal handler's exception):
+    it passes the boundary ``_handle`` keeps around each message's handler."""
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+@on_both_loops
+async def test_what_escapes_one_messages_handling_strands_none_behind_it(fail_at: int) -> None:
+    """Ten messages in one write; the handling of one of them raises past ``_handle``'s boundary: in the
+    reader's first turn (inside ``data_received``, where it would make the transport drop the connection
+    and the messages behind) or in a turn it scheduled (with the connection paused, where the messages
+    behind sat for ever). Each of the others still arrives, once and in order, as over ZMQ."""
+    got: list[Any] = []
+    async with channel(got) as rx:
+        real, raised = rx._handle, list[int]()
+
+        def handle(frames: list[bytes], origin: str | None = None) -> None:
+            if unpack(frames[0]) == encode(ping(fail_at)) and not raised:
+                raised.append(fail_at)
+                raise Escaping("past the handler's boundary")
+            real(frames, origin)
+        rx._handle = handle  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, _context: None)  # (what escaped a scheduled turn lands here)
+        _, writer = await raw_client(rx.endpoint, b"".join(frame(ping(seq)) for seq in range(10)))
+        want = [seq for seq in range(10) if seq != fail_at]
+        await until(lambda: [m.seq for m in got] == want, f"messages {want}")
+        assert len(rx._inbound) == 1 and rx._buffered == 0
+        writer.close()
