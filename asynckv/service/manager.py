@@ -274,6 +274,10 @@ class KVManager:
         """Fail every unfinished room; once every write settled say goodbye; release everything."""
         if self._closed:
             return
+        if self._svc is not None and self._svc.loop is not asyncio.get_running_loop():  # (its futures are that loop's)
+            why = "a closed event loop: close it before its loop ends" if self._svc.loop.is_closed() else \
+                "another event loop: close it there"
+            raise LocalProtocolError(f"KVManager {self.name[:8]} runs on {why}")
         self._closed = True
         cfg = self.config
         if self._svc is not None:

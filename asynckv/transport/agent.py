@@ -33,8 +33,8 @@ def nixl_agent(name: str, backend: str, loopback_only: bool = False) -> Any:
             del os.environ["UCX_NET_DEVICES"]
 
 
-def keep_until_exit(obj: Any) -> None:
-    """Hold ``obj`` past interpreter shutdown: its destructor never runs (the OS reclaims it at exit)."""
+def keep_until_exit(*objs: Any) -> None:
+    """Hold ``objs`` past interpreter shutdown: their destructors never run (the OS reclaims them at exit)."""
     if not _KEPT_UNTIL_EXIT:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_UNTIL_EXIT))  # survives module teardown too
-    _KEPT_UNTIL_EXIT.append(obj)
+    _KEPT_UNTIL_EXIT.append(objs)

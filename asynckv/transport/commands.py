@@ -128,10 +128,18 @@ class Outbox:
         self._due = False
 
     def put(self, items: list[Any]) -> None:
+        """Queue ``items`` for the loop (any thread). Once the loop is closed they are dropped: nothing
+        can take them any more (a manager left open as its loop ended), and the thread must not die of it."""
         self._items.extend(items)
         if not self._due:
             self._due = True
-            self._loop.call_soon_threadsafe(self._drain)
+            try:
+                self._loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:
+                if not self._loop.is_closed():
+                    raise
+                self._due = False
+                self._items.clear()
 
     def _drain(self) -> None:
         self._due = False

@@ -61,11 +61,9 @@ class NixlEngine:
     def __init__(self, name: str, *, backend: str = "UCX", idle_poll_s: float = 0.001, deep_idle_s: float = 0.01,
                  expecting: Callable[[], bool] | None = None,
                  agent_factory: Callable[[str, str], Any] | None = None, loopback_only: bool = False) -> None:
-        self.name = name
-        self._backend = backend
+        self.name, self._backend = name, backend
         self._agent_factory = agent_factory or (lambda n, b: nixl_agent(n, b, loopback_only))  # (tests pass a fake)
-        self._idle_poll_s = idle_poll_s
-        self._deep_idle_s = max(deep_idle_s, idle_poll_s)
+        self._idle_poll_s, self._deep_idle_s = idle_poll_s, max(deep_idle_s, idle_poll_s)
         self._expecting = expecting if expecting is not None else (lambda: True)  # (peers may write to us: poll)
         self.on_settled: Settled = lambda batch: None
         self.on_notified: Notified | None = None
@@ -108,7 +106,8 @@ class NixlEngine:
                 err.__cause__ = exc
                 loop.call_soon_threadsafe(ready.set_exception, err)
                 return
-            loop.call_soon_threadsafe(ready.set_result, None)
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile: the progress loop sees it)
+                loop.call_soon_threadsafe(ready.set_result, None)
             self._progress_loop(loop)
         except BaseException as exc:
             self.thread_error = exc
@@ -150,8 +149,7 @@ class NixlEngine:
         self._remote[peer] = dlist
 
     def _forget(self, peer: str, done: list[Any]) -> None:
-        """Settle the peer's posts, then release its dlist and remove its agent (once its parked
-        handles drained): in that order."""
+        """Settle the peer's posts, then release its dlist and remove its agent once its parked handles drained."""
         reason = PeerUnreachable(f"peer {peer[:8]} forgotten")
         for post in self._in_flight:
             if post.peer == peer:
@@ -203,14 +201,9 @@ class NixlEngine:
                 self._check_in_flight(time.monotonic(), done)
                 self._poll_parked()
                 time.sleep(0.001)
-            for post in self._in_flight:  # stuck (a stopped peer): park what is still in flight
-                self._finish(post, post.stop, done)
-            self._in_flight = []
-            if self._parked:  # a peer stopped for good: tearing down under its transfers would crash
+            if self._park_the_rest(done):  # a peer stopped for good: tearing down under its transfers would crash
                 log.warning("data plane %s: %d transfers still in flight to stopped peers at close; keeping the NIXL "
                             "agent and its registrations until the process exits", self.name, len(self._parked))
-                keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles,
-                                 self._memory))
                 self._reg_handles = []
                 return
             if self._local_dlist is not None:
@@ -221,15 +214,20 @@ class NixlEngine:
             self._reg_handles.clear()
             self._memory = None  # (its rows, and what owns the memory: ours no longer)
         except BaseException:  # a step raised: park what is still in flight and keep the agent for it
-            for post in self._in_flight:
-                self._finish(post, post.stop or ClosedError("data plane closed"), done)
-            self._in_flight = []
-            if self._parked:
-                keep_until_exit((self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles,
-                                 self._memory))
+            self._park_the_rest(done)
             raise
         finally:
             self._deliver(done)
+
+    def _park_the_rest(self, done: list[Any]) -> bool:
+        """Settle the posts still in flight, parking their handles; if any is parked, keep the agent until exit."""
+        for post in self._in_flight:
+            self._finish(post, post.stop or ClosedError("data plane closed"), done)
+        self._in_flight = []
+        if not self._parked:
+            return False
+        keep_until_exit(self._agent, self._parked, self._retired, self._local_dlist, self._reg_handles, self._memory)
+        return True
 
     # -- engine thread: progress --------------------------------------------------------------
 
@@ -237,6 +235,9 @@ class NixlEngine:
         agent = self._agent
         idle_wait = _MIN_IDLE_WAIT_S
         while True:
+            if loop.is_closed():  # (a manager left open as its loop ended: nothing will take a result or close us)
+                log.warning("data plane %s: its event loop closed, the plane open (KVManager not closed?)", self.name)
+                return self._shutdown()
             self.steer.back()  # (placed by its wake-up: its own CPU mask again)
             done: list[Any] = []
             commands, self._woken = self._woken, []
@@ -295,10 +296,8 @@ class NixlEngine:
             else:  # back off: a little while transfers are in flight (spinning takes the copy's CPU), more when idle
                 if self._in_flight and idle_wait > _MAX_BUSY_WAIT_S:  # (a post went in flight after an idle wait)
                     idle_wait = _MIN_IDLE_WAIT_S
-                try:  # the queue is the wake-up too: a command ends the wait (C, unlike Event.wait)
-                    self._woken.append(self._commands.get(timeout=idle_wait))
-                except queue.Empty:
-                    pass
+                with contextlib.suppress(queue.Empty):  # the queue is the wake-up too: a command ends the wait
+                    self._woken.append(self._commands.get(timeout=idle_wait))  # (C, unlike Event.wait)
                 idle_wait = min(idle_wait * 2, _MAX_BUSY_WAIT_S if self._in_flight else
                                 self._idle_poll_s if self._expecting() else self._deep_idle_s)
 
@@ -423,7 +422,8 @@ class NixlEngine:
     def _notify(self, notifs: dict[str, list[bytes]]) -> None:
         if notifs and self._loop is not None and self.on_notified is not None:  # (otherwise dropped)
             batch = [(str(agent), bytes(msg)) for agent, msgs in notifs.items() for msg in msgs]
-            self._loop.call_soon_threadsafe(self.on_notified, batch)
+            with contextlib.suppress(RuntimeError):  # (a closed loop: dropped, as Outbox.put drops)
+                self._loop.call_soon_threadsafe(self.on_notified, batch)
 
     def _deliver(self, done: list[Any]) -> None:
         if self._outbox is not None and done:  # (set by start(), on the loop)

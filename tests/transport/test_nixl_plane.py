@@ -648,3 +648,62 @@ async def test_a_close_that_raises_while_checking_posts_settles_each_once() -> N
     await asyncio.wait_for(plane.close(), 10)
     await asyncio.sleep(0.05)
     assert sorted(p for p, _ in settled) == [1, 2], settled
+
+
+class GatedAgent(FakeAgent):
+    """``transfer()`` holds until ``go`` is set: the copy is still running as the test closes the loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def transfer(self, h: int) -> str:
+        self.entered.set()
+        self.go.wait(5)
+        return super().transfer(h)
+
+
+LEFT_OPEN = ["idle", "a write in flight to a stopped peer", "a copy that returns after the loop closed"]
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("when", LEFT_OPEN)
+def test_a_plane_left_open_as_its_loop_closes_shuts_down_from_its_own_thread(
+        when: str, loop_kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A manager never closed (a test fixture without ``close()``, a script ending ``asyncio.run``):
+    its loop closes with the plane open. The engine thread must end on its own, once, without dying
+    of a settle it can no longer hand over (before: a RuntimeError traceback, or an idle thread
+    polling for ever), releasing what it holds as close would, and keeping the agent if a handle
+    is still in flight."""
+    import uvloop
+
+    from asynckv.transport import agent as agent_module
+
+    agent = GatedAgent()
+    agent.finish = when != LEFT_OPEN[1]
+    if when != LEFT_OPEN[2]:
+        agent.go.set()
+    loop = uvloop.new_event_loop() if loop_kind == "uvloop" else asyncio.new_event_loop()
+    plane, settled = loop.run_until_complete(started(agent))
+    if when != LEFT_OPEN[0]:
+        plane.post(1, "peer", prepped(), 30.0)
+        loop.run_until_complete(until(agent.entered.is_set))
+    if when == LEFT_OPEN[1]:
+        loop.run_until_complete(until(lambda: plane.posts_in_flight == 1))
+    kept = len(agent_module._KEPT_UNTIL_EXIT)
+    loop.close()
+    agent.go.set()  # (the copy returns DONE into a closed loop)
+    assert plane._thread is not None
+    plane._thread.join(5.0)
+    assert not plane._thread.is_alive() and plane.thread_error is None
+    assert settled == []  # (nothing could reach the loop)
+    said = [r.getMessage() for r in caplog.records if r.name == "asynckv.nixl" and r.levelname == "WARNING"]
+    assert sum("event loop closed" in m for m in said) == 1
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    names = [c[0] for c in agent.calls]
+    if when == LEFT_OPEN[1]:  # its handle still in flight: nothing released under it, the agent kept
+        assert not {"release_xfer_handle", "deregister_memory", "remove_remote_agent"} & set(names)
+        assert agent_module._KEPT_UNTIL_EXIT[kept][0] is agent
+    else:  # all released, as close does (peer first, then the registrations)
+        assert agent.live == agent.released and len(agent_module._KEPT_UNTIL_EXIT) == kept
+        assert names.index("remove_remote_agent") < names.index("deregister_memory")
