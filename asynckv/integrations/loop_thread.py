@@ -40,7 +40,10 @@ class LoopThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:  # (ended, by whatever escaped a callback: closed, so what lives on it sees that it is gone)
+            self.loop.close()
 
     @property
     def alive(self) -> bool:

@@ -32,6 +32,7 @@ from .commands import (
     hand_on,
     map_nixl_error,
 )
+from .engine_state import resolve
 from .merging import members
 from .nixl_engine import NixlEngine
 
@@ -285,11 +286,8 @@ class NixlDataPlane(NixlEngine):
         for fut, value, error in done:
             if fut is None:
                 settled.append((value, error))
-            elif not fut.done():
-                if error is not None:
-                    fut.set_exception(error)
-                else:
-                    fut.set_result(value)
+            else:
+                resolve(fut, error, value)
         if settled:
             self._report(settled)
 

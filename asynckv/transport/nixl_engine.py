@@ -32,20 +32,18 @@ import asyncio
 import contextlib
 import logging
 import queue
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..errors import ClosedError, PeerUnreachable, RemoteProtocolError, TransferTimeout, TransportError
 from ..proto.topology import check_metadata_name
-from .agent import keep_until_exit, nixl_agent
-from .base import U64, DescPiece, MemoryLayout, Notified, PreppedPiece, Settled
-from .commands import Cancel, Command, Forget, Outbox, PostCmd, Relay, hand_on, map_nixl_error
-from .merging import MERGE_MAX_BYTES, MERGE_MAX_DESCS, members, merge_run
-from .steer import Steer
+from .agent import keep_until_exit
+from .base import U64, DescPiece, MemoryLayout, PreppedPiece
+from .commands import Cancel, Forget, PostCmd, Relay, hand_on, map_nixl_error
+from .engine_state import EngineState, resolve
+from .merging import members, merge_run
 
 __all__ = ["NixlEngine"]
 
@@ -55,60 +53,24 @@ SETTLE_AT_CLOSE_S = 0.1  # how long close drives the UCX worker so parked transf
 _MIN_IDLE_WAIT_S, _MAX_BUSY_WAIT_S = 20e-6, 250e-6
 
 
-class NixlEngine:
+class NixlEngine(EngineState):
     """The engine-thread half of ``NixlDataPlane``: the thread, the agent, and every call into it."""
-
-    def __init__(self, name: str, *, backend: str = "UCX", idle_poll_s: float = 0.001, deep_idle_s: float = 0.01,
-                 expecting: Callable[[], bool] | None = None,
-                 agent_factory: Callable[[str, str], Any] | None = None, loopback_only: bool = False) -> None:
-        self.name, self._backend = name, backend
-        self._agent_factory = agent_factory or (lambda n, b: nixl_agent(n, b, loopback_only))  # (tests pass a fake)
-        self._idle_poll_s, self._deep_idle_s = idle_poll_s, max(deep_idle_s, idle_poll_s)
-        self._expecting = expecting if expecting is not None else (lambda: True)  # (peers may write to us: poll)
-        self.on_settled: Settled = lambda batch: None
-        self.on_notified: Notified | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._running = False  # (set as the thread starts, cleared as it ends: cheaper than is_alive())
-        self._outbox: Outbox | None = None  # (settled posts and call results, to the loop)
-        self._woken: list[Command] = []  # (the command that ended the last wait: the thread's until its next round)
-        self._round: tuple[list[Any], list[Any]] = ([], [])  # (this round's commands and results, until delivered)
-        self._closed = False
-        self._leases: dict[str, float] = {}
-        self._cancelled: dict[int, BaseException] = {}  # (set and dropped by the loop, read here: atomic under the GIL)
-        self._in_flight: list[PostCmd] = []
-        self.settled_in_flight: set[int] = set()  # (added before their settle is delivered: take_in_flight)
-        self._notified = False  # (a notification was sent since the last round that settled something)
-        self.posts_in_flight = self.rounds = self.merged = 0  # (merged: posts that went in a merged handle)
-        self.merge_limits = (MERGE_MAX_BYTES, MERGE_MAX_DESCS)  # (bytes, descriptors) of a merged handle at most
-        self.thread_error: BaseException | None = None
-        self.steer = Steer(enabled=False)  # (lanes.py turns it on: a relayed part wakes us off the waker's CPU)
-        # engine-thread state
-        self._agent: Any = None
-        self._memory: MemoryLayout | None = None
-        self._reg_handles: list[Any] = []
-        self._local_dlist: Any = None
-        self._parked: list[tuple[str, Any]] = []  # ((peer, handle) in flight after their post settled, until done)
-        self._retired: dict[str, list[Any]] = {}  # (forgotten peers' dlists and agents, until nothing is parked)
-        self._remote: dict[str, Any] = {}
-        """Connected peers and their prepared destination dlists (None when not prepared)."""
 
     def _run(self, ready: asyncio.Future[None]) -> None:
         loop = self._loop
         try:
             if loop is None:
                 return
+            err: BaseException | None = None
             try:
                 self._agent = self._agent_factory(self.name, self._backend)
             except BaseException as exc:
                 err = TransportError(f"cannot create NIXL agent ({self._backend}): {exc}")
                 err.__cause__ = exc
-                loop.call_soon_threadsafe(ready.set_exception, err)
-                return
-            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile: the progress loop sees it)
-                loop.call_soon_threadsafe(ready.set_result, None)
-            self._progress_loop(loop)
+            with contextlib.suppress(RuntimeError):  # (a closed loop: the progress loop sees it)
+                loop.call_soon_threadsafe(resolve, ready, err)  # (a start() cancelled meanwhile: dropped)
+            if err is None:
+                self._progress_loop(loop)
         except BaseException as exc:
             self.thread_error = exc
             log.exception("data plane %s: engine thread died", self.name)
@@ -235,9 +197,8 @@ class NixlEngine:
         agent = self._agent
         idle_wait = _MIN_IDLE_WAIT_S
         while True:
-            if loop.is_closed():  # (a manager left open as its loop ended: nothing will take a result or close us)
-                log.warning("data plane %s: its event loop closed, the plane open (KVManager not closed?)", self.name)
-                return self._shutdown()
+            if loop.is_closed():  # (a manager left open as its loop ended: nothing takes a result, fences or closes)
+                return self._left_open()
             self.steer.back()  # (placed by its wake-up: its own CPU mask again)
             done: list[Any] = []
             commands, self._woken = self._woken, []
@@ -301,17 +262,6 @@ class NixlEngine:
                 idle_wait = min(idle_wait * 2, _MAX_BUSY_WAIT_S if self._in_flight else
                                 self._idle_poll_s if self._expecting() else self._deep_idle_s)
 
-    def _refusal(self, post: PostCmd, now: float) -> BaseException | None:
-        """Why ``post`` may start no further handle, or None."""
-        reason = self._cancelled.get(post.post_id)
-        if reason is not None:
-            return reason
-        if post.peer not in self._remote:
-            return PeerUnreachable(f"{post.label}: peer {post.peer[:8]} is not connected")
-        if post.leased and now >= self._leases.get(post.peer, float("-inf")):
-            return TransferTimeout(f"{post.label}: the write lease on the peer expired (unheard for too long)")
-        return None
-
     def _start(self, post: PostCmd, done: list[Any]) -> None:
         post.deadline = time.monotonic() + post.timeout_s
         self._advance(post, time.monotonic())
@@ -356,12 +306,6 @@ class NixlEngine:
             return agent.make_prepped_xfer("WRITE", self._local_dlist, piece.src_idx, remote, piece.dst_idx)
         return agent.initialize_xfer("WRITE", agent.get_xfer_descs(piece.src, piece.src_kind),
                                      agent.get_xfer_descs(piece.dst, piece.dst_kind), peer)
-
-    def _apply_cancel(self, cmd: Cancel, done: list[Any]) -> None:
-        for post in self._in_flight:  # (their handles cannot be stopped: they settle when done; the first stop wins)
-            for m in post.members or (post,):
-                if m.post_id in self._cancelled:
-                    m.stop = m.stop or post.stop or cmd.reason
 
     def _check_in_flight(self, now: float, done: list[Any]) -> None:
         still, posts, i = [], self._in_flight, 0
@@ -418,13 +362,3 @@ class NixlEngine:
             except BaseException as exc:
                 error = map_nixl_error(exc, f"{post.label}: notification")
         done.append((post.fut, None if post.fut is not None else post.post_id, error))
-
-    def _notify(self, notifs: dict[str, list[bytes]]) -> None:
-        if notifs and self._loop is not None and self.on_notified is not None:  # (otherwise dropped)
-            batch = [(str(agent), bytes(msg)) for agent, msgs in notifs.items() for msg in msgs]
-            with contextlib.suppress(RuntimeError):  # (a closed loop: dropped, as Outbox.put drops)
-                self._loop.call_soon_threadsafe(self.on_notified, batch)
-
-    def _deliver(self, done: list[Any]) -> None:
-        if self._outbox is not None and done:  # (set by start(), on the loop)
-            self._outbox.put(done)

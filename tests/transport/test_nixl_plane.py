@@ -668,13 +668,14 @@ LEFT_OPEN = ["idle", "a write in flight to a stopped peer", "a copy that returns
 
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("when", LEFT_OPEN)
-def test_a_plane_left_open_as_its_loop_closes_shuts_down_from_its_own_thread(
+def test_a_plane_left_open_as_its_loop_closes_ends_its_thread_and_keeps_what_peers_may_write(
         when: str, loop_kind: str, caplog: pytest.LogCaptureFixture) -> None:
     """A manager never closed (a test fixture without ``close()``, a script ending ``asyncio.run``):
     its loop closes with the plane open. The engine thread must end on its own, once, without dying
     of a settle it can no longer hand over (before: a RuntimeError traceback, or an idle thread
-    polling for ever), releasing what it holds as close would, and keeping the agent if a handle
-    is still in flight."""
+    polling for ever). No fence can run now, so it releases nothing: a peer may still hold a lease
+    on its memory (over CMA a deregistered range still takes writes), and a handle may be in flight.
+    The agent and the memory with its owners are kept until the process exits."""
     import uvloop
 
     from asynckv.transport import agent as agent_module
@@ -691,6 +692,7 @@ def test_a_plane_left_open_as_its_loop_closes_shuts_down_from_its_own_thread(
     if when == LEFT_OPEN[1]:
         loop.run_until_complete(until(lambda: plane.posts_in_flight == 1))
     kept = len(agent_module._KEPT_UNTIL_EXIT)
+    memory = plane._memory
     loop.close()
     agent.go.set()  # (the copy returns DONE into a closed loop)
     assert plane._thread is not None
@@ -700,10 +702,34 @@ def test_a_plane_left_open_as_its_loop_closes_shuts_down_from_its_own_thread(
     said = [r.getMessage() for r in caplog.records if r.name == "asynckv.nixl" and r.levelname == "WARNING"]
     assert sum("event loop closed" in m for m in said) == 1
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
-    names = [c[0] for c in agent.calls]
-    if when == LEFT_OPEN[1]:  # its handle still in flight: nothing released under it, the agent kept
-        assert not {"release_xfer_handle", "deregister_memory", "remove_remote_agent"} & set(names)
-        assert agent_module._KEPT_UNTIL_EXIT[kept][0] is agent
-    else:  # all released, as close does (peer first, then the registrations)
-        assert agent.live == agent.released and len(agent_module._KEPT_UNTIL_EXIT) == kept
-        assert names.index("remove_remote_agent") < names.index("deregister_memory")
+    names = {c[0] for c in agent.calls}
+    assert not {"deregister_memory", "release_dlist_handle", "remove_remote_agent"} & names
+    assert ("release_xfer_handle" in names) == (when == LEFT_OPEN[2])  # (only the handle that completed)
+    assert len(agent_module._KEPT_UNTIL_EXIT) == kept + 1
+    assert agent_module._KEPT_UNTIL_EXIT[-1][:2] == (agent, memory) and memory is not None
+
+
+def test_a_start_given_up_before_its_engine_answers_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """``wait_for(manager.start(), t)`` timing out while the agent is made: the engine's answer then
+    finds the start future cancelled, and used to log an InvalidStateError traceback from the loop."""
+    agent, made, go = FakeAgent(), threading.Event(), threading.Event()
+
+    def factory(name: str, backend: str) -> FakeAgent:
+        made.set()
+        go.wait(5)
+        return agent
+
+    async def scenario() -> None:
+        plane = NixlDataPlane("me", agent_factory=factory)
+        start = asyncio.ensure_future(plane.start(MemoryLayout((("DRAM", rows(2)),), rows(4), "DRAM", (0x9000, 64))))
+        await until(made.is_set)
+        start.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        await until(lambda: plane._agent is agent)
+        await asyncio.sleep(0.05)  # (the answer's callback has run)
+        await plane.close()
+
+    asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
