@@ -106,8 +106,8 @@ class KVManager:
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
         self._my_rank: PrefillRank | None = None
         self._started = False
-        self._closed = False  # (from the start of close(); _close_done once it returned)
-        self._close_done = False
+        self._closed = False  # (from the start of close())
+        self._closing: asyncio.Future[None] | None = None
         self._pump_closed = False
         """The service finished closing: messages are dropped from then on (until then they are fed:
         closing waits for peers' answers)."""
@@ -273,15 +273,18 @@ class KVManager:
 
     async def close(self) -> None:
         """Fail every unfinished room; once every write settled say goodbye; release everything."""
-        if self._close_done:
+        if self._closing is not None and self._closing.done() and not self._closing.cancelled():
             return
         if self._svc is not None and self._svc.loop is not asyncio.get_running_loop():  # (its futures are that loop's)
             why = "a closed event loop: close it before its loop ends" if self._svc.loop.is_closed() else \
                 "another event loop: close it there"
             raise LocalProtocolError(f"KVManager {self.name[:8]} runs on {why}")
-        if self._closed:
-            return
         self._closed = True
+        if self._closing is None:  # (once, as a task: a second close waits for it, a caller giving up cuts nothing)
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         cfg = self.config
         if self._svc is not None:
             bound = cfg.fence_timeout_s + cfg.heartbeat_interval_s * cfg.heartbeat_max_failures + 1.0
@@ -300,7 +303,6 @@ class KVManager:
             await self.ops_server.close()
         metrics.forget_manager(self)
         self.kv_args = self._args  # (every step closed: nothing of ours can touch the memory now)
-        self._close_done = True
 
     # -- rooms -----------------------------------------------------------------------------
 

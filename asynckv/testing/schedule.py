@@ -43,8 +43,18 @@ class Outcome:
 
 
 def run_seed(seed: int, *, trace: bool = False, config: Config = SIM_CONFIG) -> Outcome:
-    """Run the schedule of one seed; ``Outcome.violations`` is empty when every invariant held."""
-    logging.getLogger("asynckv").setLevel(logging.DEBUG if trace else logging.CRITICAL)
+    """Run the schedule of one seed; ``Outcome.violations`` is empty when every invariant held. The
+    ``asynckv`` loggers are quiet meanwhile (or at DEBUG, with ``trace``), then as they were."""
+    logger = logging.getLogger("asynckv")
+    level = logger.level
+    logger.setLevel(logging.DEBUG if trace else logging.CRITICAL)
+    try:  # (it stayed CRITICAL: a test suite calling this lost every later asynckv warning)
+        return _run_seed(seed, trace, config)
+    finally:
+        logger.setLevel(level)
+
+
+def _run_seed(seed: int, trace: bool, config: Config) -> Outcome:
     world = World(seed, FaultMix(), config, trace=trace)
     rng = world.rng
     heavy = rng.random() < 0.5

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -680,6 +681,7 @@ def test_a_plane_left_open_as_its_loop_closes_ends_its_thread_and_keeps_what_pee
 
     from asynckv.transport import agent as agent_module
 
+    caplog.set_level(logging.WARNING, logger="asynckv.nixl")
     agent = GatedAgent()
     agent.finish = when != LEFT_OPEN[1]
     if when != LEFT_OPEN[2]:
