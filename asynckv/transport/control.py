@@ -46,6 +46,10 @@ __all__ = ["MAX_MESSAGE_BYTES", "READ_BATCH", "READ_BATCH_MAX", "TRANSIENT_PER_S
 
 LINGER_MS = 1000
 """How long ZMQ keeps trying to deliver queued frames after a socket is closed."""
+_OPEN_CONTEXTS: set[zmq.asyncio.Context] = set()
+"""The contexts of channels not closed yet, held here until their close: a context collected as
+garbage together with its sockets (a manager left open as its loop closed) blocks for ever in
+pyzmq's ``__del__`` -> ``term()``, hanging whichever thread collected it (seen: a process's exit)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,6 +120,7 @@ class ControlChannel(ChannelBase):
         if self._ctx is not None or self._closed:
             raise RuntimeError("control channel already started")
         self._ctx = zmq.asyncio.Context()
+        _OPEN_CONTEXTS.add(self._ctx)
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -309,3 +314,4 @@ class ControlChannel(ChannelBase):
         ctx, self._ctx = self._ctx, None
         if ctx is not None:  # term() waits for lingering frames: not on the event loop
             await asyncio.get_running_loop().run_in_executor(None, ctx.term)
+            _OPEN_CONTEXTS.discard(ctx)

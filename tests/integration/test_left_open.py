@@ -138,7 +138,9 @@ def test_a_decode_left_open_keeps_its_pages_for_a_prefill_that_may_still_write_t
     """No fence can run once the loop is gone, and a live prefill holds a write lease on the decode's
     pages: the left-open decode keeps them (and their registration) until the process exits. Found by
     review: the first version released them as close() would, the application's next 64 MiB buffer
-    took the same address (5 runs in 6) and the prefill's write, reported Success, landed in it."""
+    took the same address (5 runs in 6) and the prefill's write, reported Success, landed in it. Over
+    ZMQ (CI's second pass) the child then hung in its ``gc.collect()``: the unclosed manager's ZMQ
+    context, collected with its sockets, blocked in pyzmq's ``__del__`` -> ``term()``."""
     child = subprocess.run([sys.executable, "-c", DECODE, PREFILL], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-3000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
