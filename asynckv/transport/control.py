@@ -49,7 +49,7 @@ LINGER_MS = 1000
 _OPEN_CONTEXTS: set[zmq.asyncio.Context] = set()
 """The contexts of channels not closed yet, held here until their close: a context collected as
 garbage together with its sockets (a manager left open as its loop closed) blocks for ever in
-pyzmq's ``__del__`` -> ``term()``, hanging whichever thread collected it (seen: a process's exit)."""
+pyzmq's ``__del__`` -> ``term()``, hanging whichever thread collected it (seen: a left-open decode's gc.collect())."""
 
 
 @dataclasses.dataclass(eq=False)
