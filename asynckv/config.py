@@ -57,7 +57,8 @@ class Config:
     idle_poll_s: float = 0.001
     """Longest sleep of a NIXL engine thread between progress rounds while peers may write to it (a
     decode with rooms waiting); with no transfer in flight and none expected it sleeps until its next
-    command, 10 ms at most."""
+    command, 10 ms at most. At most 1 s: it also bounds how late an engine notices that its event loop
+    closed with the manager still open (``docs/failures.md``)."""
     write_lanes: int = 2
     """Prefill: NIXL engines (each its own agent on its own thread) that writes are spread over. On
     one host the posting thread does the copy, so one lane copies on one core; two lanes moved
@@ -163,6 +164,11 @@ class Config:
         return "stream" if self.wire == "asynckv" else "zmq"
 
     @property
+    def close_bound_s(self) -> float:
+        """Longest a close waits for writes to settle: a fence's timeout, then a silent peer declared dead, plus 1 s."""
+        return self.fence_timeout_s + self.heartbeat_interval_s * self.heartbeat_max_failures + 1.0
+
+    @property
     def protected(self) -> bool:
         """Protected mode: no token and no opt-out, so only loopback peers are heard."""
         return not self.auth_token and not self.allow_unauthenticated
@@ -179,6 +185,8 @@ class Config:
             value = getattr(self, f.name)
             if f.name.endswith("_s") and not value > 0:
                 raise InvalidArgument(f"config {f.name} must be > 0, got {value!r}")
+        if self.idle_poll_s > 1.0:
+            raise InvalidArgument(f"config idle_poll_s must be <= 1 s, got {self.idle_poll_s!r}")
         for name in ("register_attempts", "max_descs_per_xfer", "xfer_handle_bytes", "offload_min_descs",
                      "max_rooms", "max_early_infos", "heartbeat_max_failures", "max_peers", "max_inflight_bytes",
                      "max_early_bytes", "max_peer_dlist_rows", "max_connecting_peers", "write_lanes", "build_threads"):

@@ -28,6 +28,7 @@ def test_asynckv_name_wins_over_the_legacy_one() -> None:
     ({"ASYNCKV_WAITING_TIMEOUT_S": "-1"}, "waiting_timeout_s must be > 0"),
     ({"ASYNCKV_MAX_DESCS_PER_XFER": "0"}, "max_descs_per_xfer must be >= 1"),
     ({"ASYNCKV_CONTROL_TRANSPORT": "udp"}, "control_transport must be one of auto, stream, zmq, got 'udp'"),
+    ({"ASYNCKV_IDLE_POLL_S": "5"}, "idle_poll_s must be <= 1 s, got 5.0"),
     ({"ASYNCKV_CONTROL_TRANSPORT": "stream", "ASYNCKV_WIRE": "sglang-0.5.10"}, "is carried by ZMQ"),
 ])
 def test_bad_values_are_refused_naming_the_variable(env: dict[str, str], needle: str) -> None:

@@ -37,6 +37,7 @@ from ..proto.sglang_decode import SglangDecodeCore
 from ..proto.sglang_prefill import SglangPrefillCore
 from ..proto.topology import PrefillInstance
 from ..transport.base import ControlPlane, DataPlane
+from ..transport.closing import CloseOnce
 from ..transport.control import ControlChannel
 from ..transport.lanes import LanedDataPlane
 from ..transport.merging import MERGE_MAX_BYTES
@@ -106,8 +107,8 @@ class KVManager:
         self._scratch = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
         self._my_rank: PrefillRank | None = None
         self._started = False
-        self._closed = False  # (from the start of close())
-        self._closing: asyncio.Future[None] | None = None
+        self._closer = CloseOnce(self._close)
+        self._close_step = 0  # (the first of _close's steps not done yet)
         self._pump_closed = False
         """The service finished closing: messages are dropped from then on (until then they are fed:
         closing waits for peers' answers)."""
@@ -135,7 +136,7 @@ class KVManager:
     @property
     def healthy(self) -> bool:
         """The control reader and the data-plane thread are alive, and the manager is open."""
-        return (self._started and not self._closed and self._svc is not None and self._data is not None
+        return (self._started and not self._closer.begun and self._svc is not None and self._data is not None
                 and self._data.alive and self._control is not None and self._control.reader_alive)
 
     @property
@@ -272,37 +273,36 @@ class KVManager:
         self._http.keep_registered(addr, self._my_rank, lease_s)
 
     async def close(self) -> None:
-        """Fail every unfinished room; once every write settled say goodbye; release everything."""
-        if self._closing is not None and self._closing.done() and not self._closing.cancelled():
+        """Fail every unfinished room; once every write settled say goodbye; release everything. It runs once, as
+        a task: a second close waits for it, a caller giving up cuts nothing, one cut short resumes (``CloseOnce``)."""
+        if self._closer.finished:
             return
         if self._svc is not None and self._svc.loop is not asyncio.get_running_loop():  # (its futures are that loop's)
             why = "a closed event loop: close it before its loop ends" if self._svc.loop.is_closed() else \
                 "another event loop: close it there"
             raise LocalProtocolError(f"KVManager {self.name[:8]} runs on {why}")
-        self._closed = True
-        if self._closing is None:  # (once, as a task: a second close waits for it, a caller giving up cuts nothing)
-            self._closing = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._closing)
+        await self._closer()
 
     async def _close(self) -> None:
-        cfg = self.config
-        if self._svc is not None:
-            bound = cfg.fence_timeout_s + cfg.heartbeat_interval_s * cfg.heartbeat_max_failures + 1.0
-            await self._svc.close(bound)
-        self._pump_closed = True
-        if self._my_rank is not None and self.bootstrap_addr is not None:
-            await self._http.unregister(self.bootstrap_addr, self._my_rank)
-        await self._http.close()
-        if self._control is not None:
-            await self._control.close()
-        if self._data is not None:
-            await self._data.close()
-        if self.bootstrap_server is not None:
-            await self.bootstrap_server.close()
-        if self.ops_server is not None:
-            await self.ops_server.close()
+        """The steps in order, each once; a close cut short starts again at the step it was in (each can run again)."""
+        parts = (self._control, self._data, self.bootstrap_server, self.ops_server)
+        steps = [self._close_service, self._unregister, self._http.close, *(p.close for p in parts if p is not None)]
+        for step in steps[self._close_step:]:
+            await step()
+            self._close_step += 1
         metrics.forget_manager(self)
         self.kv_args = self._args  # (every step closed: nothing of ours can touch the memory now)
+
+    async def _close_service(self) -> None:
+        if self._svc is not None:
+            await self._svc.close(self.config.close_bound_s)
+        self._pump_closed = True
+
+    async def _unregister(self) -> None:
+        """Leave the server's table; not a server of ours, which closes next, table and all (and serves no one after a
+        cancel-all: the DELETE then hung for the HTTP timeout)."""
+        if self._my_rank is not None and self.bootstrap_addr is not None and self.bootstrap_server is None:
+            await self._http.unregister(self.bootstrap_addr, self._my_rank)
 
     # -- rooms -----------------------------------------------------------------------------
 
@@ -324,7 +324,7 @@ class KVManager:
     def _open(self, mode: Mode) -> PrefillService | DecodeService | SglangDecodeService:
         if self.mode is not mode:
             raise LocalProtocolError(f"this is a {self.mode.value} manager")
-        if not self._started or self._closed or self._svc is None:
+        if not self._started or self._closer.begun or self._svc is None:
             raise ClosedError("KVManager is not running (use `async with`)")
         return self._svc
 

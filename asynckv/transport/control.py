@@ -38,6 +38,7 @@ from .channel import (
     log,
     running_in,
 )
+from .closing import CloseOnce
 from .pacing import Pacer
 from .ratelimit import RateLimitedLog
 
@@ -90,6 +91,7 @@ class ControlChannel(ChannelBase):
         self._pacer = Pacer(READ_BATCH, READ_BATCH_MAX)
         """Messages the reader takes a turn (``pacing``)."""
         self._closed = False
+        self._closer = CloseOnce(self._close)
 
     @property
     def reader_alive(self) -> bool:
@@ -294,7 +296,13 @@ class ControlChannel(ChannelBase):
             peer.sock.close(linger=LINGER_MS)
 
     async def close(self, flush_s: float = 2.0) -> None:
-        """Stop reading, hand every backlog to ZMQ (at most ``flush_s``), close, terminate the context."""
+        """Stop reading, hand every backlog to ZMQ (at most ``flush_s``), close, terminate the context. It runs
+        once, as a task; one cut short starts again and carries on (``CloseOnce``)."""
+        self._closed = True
+        self.stop_reader()  # (at once: not a round later, when the close's task first runs)
+        await self._closer(flush_s)
+
+    async def _close(self, flush_s: float) -> None:
         self._closed = True
         self.stop_reader()
         drains = [p.drain for p in self._peers.values() if p.drain is not None]
@@ -313,5 +321,7 @@ class ControlChannel(ChannelBase):
             self._pull = None
         ctx, self._ctx = self._ctx, None
         if ctx is not None:  # term() waits for lingering frames: not on the event loop
-            await asyncio.get_running_loop().run_in_executor(None, ctx.term)
-            _OPEN_CONTEXTS.discard(ctx)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, ctx.term)
+            finally:  # (cut short: the executor holds it while term() runs)
+                _OPEN_CONTEXTS.discard(ctx)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import ClosedError, PeerUnreachable, TransportError
 from .base import U64, DescPiece, MemoryLayout, Write
+from .closing import CloseOnce
 from .commands import (
     DRAIN_BATCH,
     DRAIN_BATCH_MAX,
@@ -56,8 +57,7 @@ class NixlDataPlane(NixlEngine):
         (one for any other would stay for ever), and forgetting a peer marks its own."""
         self.calls_pending = 0
         """Calls and warm-ups the engine has not answered yet (``lanes.py`` relays through no lane busy with one)."""
-        self._closing: asyncio.Future[None] | None = None
-        """The close, once one began: it runs once, and a later ``close`` waits for it."""
+        self._closer = CloseOnce(self._close)
 
     @property
     def alive(self) -> bool:
@@ -156,33 +156,33 @@ class NixlDataPlane(NixlEngine):
 
     async def close(self) -> None:
         """Release every handle, dlist and remote agent, deregister memory, stop the thread. The close runs once,
-        as a task: a second close waits for the first to finish (its caller may then free the registered memory),
-        and a caller cancelled meanwhile does not cut it short."""
-        if self._closing is None:
-            self._closing = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._closing)
+        as a task (``CloseOnce``): a second close waits for the first to finish (its caller may then free the
+        registered memory), a caller cancelled meanwhile does not cut it short, and one cut short resumes."""
+        await self._closer()
 
     async def _close(self) -> None:
         if self._thread is None:
             self._closed = True
             return
-        if not self._running:  # it died, or is ending: settle what it never took, or took and never finished
-            self._closed = True
-            self._flush()  # (what it handed over comes first)
-            self._settle_orphans()  # (it parked the handles it found in flight)
-            self._leases.clear()
-            if self._agent is not None:  # the thread's own shutdown, here (no other thread touches the agent now):
-                try:  # with a handle parked, the agent is kept until exit; nothing is polled (polling may be what
-                    self._shutdown(settle_s=0.0)  # killed the thread)
-                except Exception:
-                    log.exception("data plane %s: shutdown after its engine thread died failed", self.name)
-            return
-        shutdown = self._call(self._shutdown)
-        self._closed = True  # from now, not once it returned: a call queued behind the shutdown would run after it
-        try:  # (a connect then left its remote agent and dlist behind); calls and posts are refused from here
-            await shutdown
-        except Exception:
-            log.exception("data plane %s: shutdown failed", self.name)
+        if not self._closed:
+            if not self._running:  # it died, or is ending: settle what it never took, or took and never finished
+                self._closed = True
+                self._flush()  # (what it handed over comes first)
+                self._settle_orphans()  # (it parked the handles it found in flight)
+                self._leases.clear()
+                if self._agent is not None:  # the thread's own shutdown, here (no other thread touches the agent
+                    try:  # now): with a handle parked, the agent is kept until exit; nothing is polled (polling
+                        self._shutdown(settle_s=0.0)  # may be what killed the thread)
+                    except Exception:
+                        log.exception("data plane %s: shutdown after its engine thread died failed", self.name)
+                return
+            shutdown = self._call(self._shutdown)
+            self._closed = True  # from now, not once it returned: a call queued behind the shutdown would run after
+            try:  # it (a connect then left its remote agent and dlist behind); calls and posts are refused from here
+                await shutdown
+            except Exception:
+                log.exception("data plane %s: shutdown failed", self.name)
+        # (a close cut short resumes here: the thread runs the shutdown it took to its end before this sentinel)
         self._commands.put(None)
         thread = self._thread
         await asyncio.get_running_loop().run_in_executor(None, thread.join, 10.0)

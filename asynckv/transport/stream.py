@@ -40,6 +40,7 @@ import socket
 from typing import Any
 
 from .channel import TRANSIENT_SOCKETS, ChannelBase, running_in
+from .closing import CloseOnce
 from .stream_conns import COALESCE_BYTES, HEADER, LINGER_S, MAX_BACKLOG, MAX_INBOUND, Connection, Inbound, Outbound
 
 __all__ = ["LINGER_S", "MAX_BACKLOG", "MAX_INBOUND", "StreamChannel"]
@@ -72,6 +73,7 @@ class StreamChannel(ChannelBase):
         self._reading = False
         self._stopped = False
         self._closed = False
+        self._closer = CloseOnce(self._close)
 
     @property
     def reader_alive(self) -> bool:
@@ -155,9 +157,13 @@ class StreamChannel(ChannelBase):
 
     async def close(self, flush_s: float = 2.0) -> None:
         """Stop reading, let queued messages leave (at most ``flush_s``), close every connection and
-        return once they are gone (lingering ones cut after ``LINGER_S``)."""
-        if self._closed:
-            return
+        return once they are gone (lingering ones cut after ``LINGER_S``). It runs once, as a task; one cut short
+        starts again and carries on (``CloseOnce``)."""
+        self._closed = True
+        self.stop_reader()  # (at once: not a round later, when the close's task first runs)
+        await self._closer(flush_s)
+
+    async def _close(self, flush_s: float) -> None:
         self._closed = True
         self.stop_reader()
         outs = [*self._peers.values(), *self._transient.values(), *self._finishing.values()]

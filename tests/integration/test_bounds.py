@@ -357,7 +357,7 @@ async def test_a_close_whose_caller_gives_up_still_runs_to_its_end_build_pool_in
         pool = pair.prefill._svc._build_pool  # type: ignore[union-attr]
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(pair.prefill.close(), 0.3)  # given up while it waits for the build
-        closing = pair.prefill._closing
+        closing = pair.prefill._closer.task
         assert closing is not None and not closing.done()  # (it goes on)
         await asyncio.wait_for(pair.prefill.close(), 10)  # waits for that close
         assert closing.done() and pool._shutdown and not pair.prefill._data.alive  # type: ignore[union-attr]

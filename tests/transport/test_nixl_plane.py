@@ -495,6 +495,49 @@ async def test_close_returns_only_after_the_posts_in_flight_at_close_settled() -
     assert sorted(post_id for post_id, _ in settled) == list(range(1, 401))
 
 
+
+@pytest.mark.parametrize("cut", ["before its task ran", "in the engine's shutdown"])
+async def test_a_close_cut_by_a_cancel_all_resumes_at_the_next_close(cut: str) -> None:
+    """A shutdown handler cancels every task on the loop, the plane's close task too, while the close
+    waits for the engine's shutdown. Before, every later close raised ``CancelledError`` and the engine
+    thread polled on with the memory registered. Now the next close takes up where it was: the thread
+    finishes the shutdown it took, ends, and every post settles once."""
+    agent = FakeAgent()
+    plane, settled = await started(agent)
+    for post_id in range(1, 51):
+        plane.post(post_id, "peer", prepped(), 30.0)
+    await until(lambda: plane.posts_in_flight == 50)
+    agent.finish = True
+    entered, gate = threading.Event(), threading.Event()
+    shutdown = plane._shutdown
+
+    def held_shutdown(*args: Any) -> None:
+        entered.set()
+        gate.wait(5)
+        shutdown(*args)
+    plane._shutdown = held_shutdown  # type: ignore[method-assign,assignment]
+    caller = asyncio.ensure_future(plane.close())
+    await asyncio.sleep(0)
+    if cut == "in the engine's shutdown":
+        await until(entered.is_set)
+    first = plane._closer.task
+    assert first is not None and not first.done()
+    caller.cancel()  # (the cancel-all: the caller and the close's own task)
+    first.cancel()
+    await asyncio.gather(caller, return_exceptions=True)
+    assert first.cancelled() and plane._thread is not None and plane._thread.is_alive()
+    again = asyncio.ensure_future(plane.close())
+    await asyncio.sleep(0.01)
+    assert not again.done()  # (it waits for the engine's shutdown)
+    gate.set()
+    await asyncio.wait_for(again, 5)
+    assert not plane._thread.is_alive() and not plane.alive
+    assert sorted(post_id for post_id, _ in settled) == list(range(1, 51))  # each once
+    calls = [call for call, _ in agent.calls]
+    assert calls.count("deregister_memory") == calls.count("register_memory") >= 1  # (each once, not twice)
+    assert agent.live == agent.released  # (every handle, dlist and registration let go, once)
+    await plane.close()  # (finished: at once)
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the point)
 async def test_settles_handed_over_before_the_thread_died_come_before_close_returns() -> None:
     """The engine settled ten posts, then died before the loop drained them (the loop was busy):
