@@ -273,8 +273,7 @@ class KVManager:
         self._http.keep_registered(addr, self._my_rank, lease_s)
 
     async def close(self) -> None:
-        """Fail every unfinished room; once every write settled say goodbye; release everything. It runs once, as
-        a task: a second close waits for it, a caller giving up cuts nothing, one cut short resumes (``CloseOnce``)."""
+        """Fail every unfinished room; once every write settled say goodbye; release everything (as ``CloseOnce``)."""
         if self._closer.finished:
             return
         if self._svc is not None and self._svc.loop is not asyncio.get_running_loop():  # (its futures are that loop's)
@@ -284,11 +283,14 @@ class KVManager:
         await self._closer()
 
     async def _close(self) -> None:
-        """The steps in order, each once; a close cut short starts again at the step it was in (each can run again)."""
+        """Each step once, in order: one cut short runs again at the next close; one failing is logged, the rest run."""
         parts = (self._control, self._data, self.bootstrap_server, self.ops_server)
         steps = [self._close_service, self._unregister, self._http.close, *(p.close for p in parts if p is not None)]
         for step in steps[self._close_step:]:
-            await step()
+            try:
+                await step()
+            except Exception:
+                log.exception("%s manager %s: closing (%s) failed", self.mode.value, self.name[:8], step.__qualname__)
             self._close_step += 1
         metrics.forget_manager(self)
         self.kv_args = self._args  # (every step closed: nothing of ours can touch the memory now)
@@ -298,9 +300,7 @@ class KVManager:
             await self._svc.close(self.config.close_bound_s)
         self._pump_closed = True
 
-    async def _unregister(self) -> None:
-        """Leave the server's table; not a server of ours, which closes next, table and all (and serves no one after a
-        cancel-all: the DELETE then hung for the HTTP timeout)."""
+    async def _unregister(self) -> None:  # (not from a server of ours: it closes next, table and all)
         if self._my_rank is not None and self.bootstrap_addr is not None and self.bootstrap_server is None:
             await self._http.unregister(self.bootstrap_addr, self._my_rank)
 

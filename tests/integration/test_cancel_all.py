@@ -4,11 +4,13 @@ many serving stacks' SIGTERM handlers. Over real NIXL, control channels and boot
 Before: a close cut by such a cancel-all left its manager half closed for good (every later
 ``close()`` raised ``CancelledError``; engine threads polled on, sockets and memory held), and a
 prefill hosting the bootstrap server spent the HTTP timeout (5 s) unregistering from its own
-server, whose handlers the cancel-all had ended."""
+server, whose handlers the cancel-all had ended. Also here: a close step that fails no longer ends
+the close there."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
@@ -116,6 +118,34 @@ async def test_a_decode_close_cut_while_it_fences_a_room_resumes_and_fails_the_r
     await asyncio.wait_for(pair.decode.close(), pair.decode.config.close_bound_s + 5)
     assert receiver.poll() == KVPoll.Failed and "closed" in str(receiver.failure_reason)
     assert_released(pair.decode)
+
+
+@pytest.mark.parametrize("step", ["_unregister", "_http", "_control"])
+async def test_a_close_step_that_fails_is_logged_and_the_rest_still_run(
+        step: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Before, the first step to raise ended the close there: the data plane's engine threads, the
+    control channel and the servers stayed open for good, and a second close returned at once."""
+    caplog.set_level(logging.ERROR, logger="asynckv.manager")
+    async with make_pair() as pair:
+        assert await transfer_room(pair, 1, [1, 2], [3, 4]) == (KVPoll.Success, KVPoll.Success)
+        mgr = pair.prefill
+
+        async def broken(*args: Any) -> None:
+            raise OSError("injected")
+        if step == "_unregister":
+            monkeypatch.setattr(mgr, step, broken)
+        else:
+            monkeypatch.setattr(getattr(mgr, step), "close", broken)
+        await asyncio.wait_for(mgr.close(), 10)
+        monkeypatch.undo()
+        assert [r.getMessage() for r in caplog.records if "closing" in r.getMessage()] == [
+            f"prefill manager {mgr.name[:8]}: closing (test_a_close_step_that_fails_is_logged_and_the_rest_still_run."
+            f"<locals>.broken) failed"]
+        if step == "_http":
+            await mgr._http.close()  # (the one step the injected failure skipped)
+        if step == "_control":
+            await mgr.control.close()
+        assert_released(mgr)
 
 
 @pytest.fixture
