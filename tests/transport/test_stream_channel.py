@@ -477,6 +477,36 @@ async def test_close_cuts_a_forgotten_connection_to_a_peer_that_reads_nothing() 
 
 
 @on_both_loops
+async def test_a_close_cut_by_a_cancel_all_while_it_flushes_is_finished_by_the_next_close() -> None:
+    """A cancel-all (the caller and the close's own task) while the close waits for a peer that reads
+    nothing to take its backlog. Before, a second close returned at once (``_closed`` was set): the
+    connections, the listening socket and the backlog stayed for good."""
+    peer = RawPeer()
+    port = await peer.start(read=False)
+    tx = StreamChannel("127.0.0.1", lambda m: None, codec=RAW, send_timeout_s=30.0)
+    await tx.start()
+    endpoint = f"stream://127.0.0.1:{port}"
+    for _ in range(64):
+        tx.send(endpoint, b"x" * 2**20)
+    await until(lambda: tx._peers[endpoint].full, "the connection to fill")
+    caller = asyncio.ensure_future(tx.close(flush_s=30.0))
+    await until(lambda: tx._closer.task is not None and not tx.reader_alive, "the close to wait on the flush")
+    for _ in range(5):
+        await asyncio.sleep(0)
+    first = tx._closer.task
+    assert first is not None and not first.done() and tx._peers  # (in its flush: nothing closed yet)
+    caller.cancel()
+    first.cancel()
+    await asyncio.gather(caller, return_exceptions=True)
+    started = time.monotonic()
+    await tx.close(flush_s=0.2)  # (the second close's flush bound: it starts again from the flush)
+    assert time.monotonic() - started < 3.0
+    assert not tx._peers and not tx._finishing and not tx._lingering and tx._server is None
+    assert tx.send_failures == 1 and tx._closer.finished
+    await peer.close()
+
+
+@on_both_loops
 async def test_an_endpoint_with_a_port_out_of_range_is_counted_not_raised() -> None:
     errors: list[dict[str, Any]] = []
     asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
