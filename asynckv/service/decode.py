@@ -114,7 +114,8 @@ class DecodeService(ReceiverPump):
             return
         if self._scatter_pool is None:
             self._scatter_pool = concurrent.futures.ThreadPoolExecutor(self.config.build_threads, "asynckv-scatter")
-        self.spawn(self._scatter(staging, self._scatter_pool, a), "asynckv-scatter")
+        self.spawn(self._scatter(staging, self._scatter_pool, a), "asynckv-scatter",  # (owed: after its copies ended)
+                   lambda: self.feed("scattered", a.room, ClosedError("copying its staged slices was cancelled")))
 
     async def _scatter(self, staging: DecodeStaging, pool: concurrent.futures.Executor, a: act.Scatter) -> None:
         # Each rank's slice is a copy of its own (other bytes of the same pages), so they spread over the
@@ -138,7 +139,8 @@ class DecodeService(ReceiverPump):
                 self._scatter_pool.shutdown(wait=False)
 
     def _on_fetch(self, a: act.FetchTopology) -> None:
-        self.spawn(self._fetch(a.addr), f"asynckv-route-{a.addr}")
+        self.spawn(self._fetch(a.addr), f"asynckv-route-{a.addr}",
+                   lambda: self.feed("topology_fetched", a.addr, ClosedError("the topology look-up was cancelled")))
 
     async def _fetch(self, addr: str) -> None:
         try:

@@ -79,7 +79,13 @@ class PrefillService(Pump):
             self._submit(a, write)
             return
         self._building[a.post_id] = None  # large: its descriptor math runs on a worker thread
-        self.spawn(self._build_off_loop(a), "asynckv-build")
+        self.spawn(self._build_off_loop(a), "asynckv-build", lambda: self._build_cancelled(a))
+
+    def _build_cancelled(self, a: act.Post) -> None:
+        """Never posted: it settles failed (the thread building it had ended, ``_build_off_loop``)."""
+        self._building.pop(a.post_id, None)
+        self.builder.release(a.post_id)
+        self.feed("post_settled", a.post_id, ClosedError("the write was cancelled while its descriptors were built"))
 
     async def _build_off_loop(self, a: act.Post) -> None:
         try:  # (a pool already shut down, the service closing, refuses the build: it settles failed)
@@ -147,7 +153,8 @@ class PrefillService(Pump):
     # -- destinations ----------------------------------------------------------------------
 
     def _on_check(self, a: CheckDestination) -> None:
-        self.spawn(self._check_off_loop(a), "asynckv-check")
+        self.spawn(self._check_off_loop(a), "asynckv-check",
+                   lambda: self.feed("destination_checked", a.token, "its destination check was cancelled"))
 
     async def _check_off_loop(self, a: CheckDestination) -> None:
         """A large destination's index check, on a worker thread (the core holds that peer's later
@@ -162,7 +169,13 @@ class PrefillService(Pump):
     # -- peers ---------------------------------------------------------------------------
 
     def _on_connect(self, a: act.ConnectPeer) -> None:
-        self.spawn(self._connect(a.peer), f"asynckv-connect-{a.peer.name[:8]}")
+        self.spawn(self._connect(a.peer), f"asynckv-connect-{a.peer.name[:8]}", lambda: self._connect_cancelled(a.peer))
+
+    def _connect_cancelled(self, peer: DecodePeer) -> None:
+        """Refused as a failed connect is (the thread preparing its rows had ended, ``_connect``)."""
+        self.builder.remove_peer(peer.name)
+        self.data.forget_peer(peer.name)  # (a connect the engine took goes on: this undoes it after)
+        self.feed("peer_connected", peer, ClosedError(f"connecting decode peer {peer.name[:8]} was cancelled"))
 
     async def _connect(self, peer: DecodePeer) -> None:
         """Import the peer and prepare its destination (off the loop, at most
@@ -173,7 +186,12 @@ class PrefillService(Pump):
             async with self._connect_slots:  # FIFO: registrations connect in the order they came
                 if peer.phase is PeerPhase.DRAINING:  # dropped while it waited: build nothing
                     raise ClosedError(f"decode peer {peer.name[:8]} dropped before it connected")
-                rows = await asyncio.to_thread(self.builder.add_peer, peer)
+                adding = asyncio.ensure_future(asyncio.to_thread(self.builder.add_peer, peer))
+                try:
+                    rows = await asyncio.shield(adding)
+                except asyncio.CancelledError:  # the thread goes on: let it end, or its rows would be added
+                    await asyncio.wait([adding])  # after the answer for this cancel removed the peer's
+                    raise
                 await self.data.connect_peer(peer.name, reg.agent_metadata, rows, reg.mem_kind)
                 del rows
             try:

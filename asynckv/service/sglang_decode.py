@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from ..config import Config
-from ..errors import AsyncKVError
+from ..errors import AsyncKVError, ClosedError
 from ..proto import actions as act
 from ..proto.sglang_decode import CheckHealth, SglangDecodeCore, SglangPrefill
 from ..transport.base import ControlPlane
@@ -33,7 +33,8 @@ class SglangDecodeService(ReceiverPump):
     # -- actions ---------------------------------------------------------------------------
 
     def _on_fetch(self, a: act.FetchTopology) -> None:
-        self.spawn(self._fetch(a.addr), f"asynckv-route-{a.addr}")
+        self.spawn(self._fetch(a.addr), f"asynckv-route-{a.addr}",
+                   lambda: self.feed("topology_fetched", a.addr, ClosedError("the topology look-up was cancelled")))
 
     async def _fetch(self, addr: str) -> None:
         cfg = self.config
@@ -45,7 +46,8 @@ class SglangDecodeService(ReceiverPump):
         self.feed("topology_fetched", addr, result)
 
     def _on_check_health(self, a: CheckHealth) -> None:
-        self.spawn(self._check_health(a), f"asynckv-health-{a.addr}")
+        self.spawn(self._check_health(a), f"asynckv-health-{a.addr}",
+                   lambda: self.feed("health_checked", a.addr, "the health check was cancelled"))
 
     async def _check_health(self, a: CheckHealth) -> None:
         self.feed("health_checked", a.addr, await self.http.health(a.addr, a.timeout_s))

@@ -92,6 +92,7 @@ class ControlChannel(ChannelBase):
         """Messages the reader takes a turn (``pacing``)."""
         self._closed = False
         self._closer = CloseOnce(self._close)
+        self._term: asyncio.Future[None] | None = None
 
     @property
     def reader_alive(self) -> bool:
@@ -320,8 +321,8 @@ class ControlChannel(ChannelBase):
             self._pull.close(linger=0)
             self._pull = None
         ctx, self._ctx = self._ctx, None
-        if ctx is not None:  # term() waits for lingering frames: not on the event loop
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, ctx.term)
-            finally:  # (cut short: the executor holds it while term() runs)
-                _OPEN_CONTEXTS.discard(ctx)
+        if ctx is not None:  # term() waits for lingering frames: not on the event loop; the context stays held
+            self._term = asyncio.get_running_loop().run_in_executor(None, ctx.term)  # until it returned
+            self._term.add_done_callback(lambda _: _OPEN_CONTEXTS.discard(ctx))
+        if self._term is not None:
+            await asyncio.shield(self._term)  # (a close cut short waits for that same term)

@@ -167,6 +167,8 @@ class StreamChannel(ChannelBase):
         self._closed = True
         self.stop_reader()
         outs = [*self._peers.values(), *self._transient.values(), *self._finishing.values()]
+        for out in outs:  # (a connect a cancel-all cut left what waits with no connection: it goes now)
+            out._ensure_connecting()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + flush_s
         while any(out.busy for out in outs) and loop.time() < deadline:

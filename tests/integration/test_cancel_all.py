@@ -13,11 +13,14 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from asynckv import KVManager, KVPoll
+from asynckv.testing import fill_pages
 
 from .conftest import Pair, check_landed, make_pair, transfer_room
 
@@ -25,11 +28,12 @@ PREFILL_STEPS = ("_close_service", "_unregister", "_http", "_control", "_data", 
 DECODE_STEPS = PREFILL_STEPS[:-1]
 
 
-async def cancel_all_but_me() -> None:
+async def cancel_all_but_me(before_waiting: Callable[[], None] = lambda: None) -> None:
     me = asyncio.current_task()
     others = [task for task in asyncio.all_tasks() if task is not me]
     for task in others:
         task.cancel()
+    before_waiting()
     await asyncio.gather(*others, return_exceptions=True)
 
 
@@ -118,6 +122,71 @@ async def test_a_decode_close_cut_while_it_fences_a_room_resumes_and_fails_the_r
     await asyncio.wait_for(pair.decode.close(), pair.decode.config.close_bound_s + 5)
     assert receiver.poll() == KVPoll.Failed and "closed" in str(receiver.failure_reason)
     assert_released(pair.decode)
+
+
+OWED = {
+    "build": "the write was cancelled while its descriptors were built",
+    "check": "its destination check was cancelled",
+    "connect": "connecting decode peer",
+    "fetch": "the topology look-up was cancelled",
+}
+
+
+@pytest.mark.parametrize("work", list(OWED))
+async def test_a_cancel_all_on_the_services_own_work_still_decides_the_room_and_closes_at_once(
+        work: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel-all comes (no close running) while a service task the core waits on is at work: a
+    large write's descriptors built off the loop, a destination checked off the loop, a decode peer
+    being connected, a topology look-up. Before, the core never heard back: the room stayed open, the
+    prefill's close sat out its whole bound (9.5 s, the room left behind) and the decode heard of it
+    only from missed heartbeats, or a look-up stayed in the decode's tables. Now the cancelled task's
+    answer is given: the room fails with the reason, and both close in milliseconds."""
+    from asynckv.proto.destinations import CheckDestination
+    from asynckv.service.writes import WriteBuilder
+
+    entered, go = threading.Event(), threading.Event()
+
+    def held(real: Any) -> Any:
+        def run(*args: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():  # (the worker threads only)
+                entered.set()
+                go.wait(10)
+            return real(*args)
+        return run
+    async with make_pair(offload_min_descs=1) as pair:
+        if work == "fetch":
+            async def stalled(*args: Any) -> Any:  # (a bootstrap server that never answers)
+                entered.set()
+                await asyncio.Event().wait()
+            monkeypatch.setattr(pair.decode._http, "fetch_instance", stalled)
+        else:
+            target = {"build": (WriteBuilder, "build"), "check": (CheckDestination, "run"),
+                      "connect": (WriteBuilder, "add_peer")}[work]
+            monkeypatch.setattr(*target, held(getattr(*target)))
+        fill_pages(pair.ppool, 1, np.arange(8))
+        receiver = pair.decode.receiver(pair.addr, 1)
+        sender = pair.prefill.sender(1)
+        init = asyncio.ensure_future(receiver.init(np.arange(8, 16), -1))
+        ours: list[asyncio.Future[Any]] = [init]
+        if work == "build":
+            assert await init == KVPoll.WaitingForInput and await sender.wait_ready(10) == KVPoll.WaitingForInput
+            sender.init(8, -1)
+            ours.append(asyncio.ensure_future(sender.send(np.arange(8))))
+        for _ in range(1000):
+            if entered.is_set():
+                break
+            await asyncio.sleep(0.005)
+        assert entered.is_set()
+        await cancel_all_but_me(go.set)  # (then the thread's work ends: a cancelled task waits for it to end)
+        assert all(task.done() for task in ours)
+        assert await asyncio.wait_for(receiver.wait(), 5) == KVPoll.Failed
+        assert OWED[work] in str(receiver.failure_reason), receiver.failure_reason
+        started = time.monotonic()
+        await asyncio.wait_for(pair.prefill.close(), 10)
+        await asyncio.wait_for(pair.decode.close(), 10)
+        assert time.monotonic() - started < 3.0  # (before: the prefill's 9.5 s bound, for build and connect)
+        for mgr in (pair.prefill, pair.decode):
+            assert_released(mgr)
 
 
 @pytest.mark.parametrize("step", ["_unregister", "_http", "_control"])

@@ -318,3 +318,40 @@ async def test_a_closed_channel_never_touches_the_fd_number_another_channel_got(
             await first.start()  # (a channel is started once)
         with pytest.raises(RuntimeError, match="already started"):
             await second.start()
+
+
+async def test_a_close_cut_by_a_cancel_all_while_the_context_terminates_waits_for_that_term() -> None:
+    """A cancel-all (the caller and the close's own task) while ``term()`` runs on a worker thread.
+    Before, the next close returned at once with the context not terminated yet, and the context left
+    the set that keeps it alive at the cut, not once terminated (``Unclosed context`` warnings seen in
+    a review's sweeps; a term that started after the rest of the manager closed never returned)."""
+    import threading
+
+    from asynckv.transport.control import _OPEN_CONTEXTS
+
+    chan = ControlChannel("127.0.0.1", lambda msg: None)
+    await chan.start()
+    ctx = chan._ctx
+    assert ctx is not None and ctx in _OPEN_CONTEXTS
+    entered, go = threading.Event(), threading.Event()
+    term = ctx.term
+
+    def held_term() -> None:
+        entered.set()
+        go.wait(5)
+        term()
+    ctx.term = held_term  # type: ignore[method-assign]
+    caller = asyncio.ensure_future(chan.close(flush_s=0.1))
+    await until(entered.is_set, "term to run")
+    first = chan._closer.task
+    assert first is not None
+    caller.cancel()
+    first.cancel()
+    await asyncio.gather(caller, return_exceptions=True)
+    assert ctx in _OPEN_CONTEXTS  # (held while term runs)
+    again = asyncio.ensure_future(chan.close(flush_s=0.1))
+    await asyncio.sleep(0.05)
+    assert not again.done() and not ctx.closed  # (it waits for that same term)
+    go.set()
+    await asyncio.wait_for(again, 5)
+    assert ctx.closed and ctx not in _OPEN_CONTEXTS and chan._closer.finished

@@ -341,6 +341,9 @@ class FakeTransport(asyncio.Transport):
     def close(self) -> None:
         self.aborted = True
 
+    def is_closing(self) -> bool:
+        return self.aborted
+
     def is_reading(self) -> bool:
         return not self.paused
 
@@ -473,6 +476,38 @@ async def test_close_cuts_a_forgotten_connection_to_a_peer_that_reads_nothing() 
     assert time.monotonic() - started < 3.0  # (flush_s, then at most LINGER_S for the last bytes)
     assert out.conn is None and out.retired and not out.backlog and not tx._finishing and not tx._lingering
     assert tx.send_failures == 1  # (what was still queued, counted)
+    await peer.close()
+
+
+@on_both_loops
+async def test_a_connect_cancelled_after_its_connection_was_made_loses_no_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel-all lands on a connect task between ``connection_made`` and ``create_connection``
+    returning: the loop closes that transport, yet the outbound took it. On uvloop every later send
+    raised ``RuntimeError`` (its ``is_closing()`` still False, no ``connection_lost`` to follow; a
+    traceback per send, 2 runs in 3 after a cancel-all; here the test hangs). Now the message goes
+    first in the backlog again, the connection counts as lost, and a new one takes it. (asyncio's
+    closing transport still hands over what it was given before it goes: that loop passed before.)"""
+    peer = RawPeer()
+    port = await peer.start()
+    made = stream_conns.Connection.connection_made
+    cut: list[asyncio.Task[None]] = []
+
+    def made_then_cancelled(self: stream_conns.Connection, transport: asyncio.BaseTransport) -> None:
+        task = self.out.connecting
+        made(self, transport)
+        if not cut and task is not None:  # (the first connect only: as a cancel-all would, right here)
+            cut.append(task)
+            task.cancel()
+    monkeypatch.setattr(stream_conns.Connection, "connection_made", made_then_cancelled)
+    async with channel(codec=RAW) as tx:
+        endpoint = f"stream://127.0.0.1:{port}"
+        tx.send(endpoint, b"first")
+        await until(lambda: bool(cut) and cut[0].done(), "the first connect to be cut")
+        assert cut[0].cancelled()
+        tx.send(endpoint, b"second")  # (before: RuntimeError from uvloop's write)
+        await until(lambda: len(peer.bodies) == 2, "both messages")
+        assert sorted(peer.bodies) == [b"first", b"second"] and tx.send_failures == 0
     await peer.close()
 
 
