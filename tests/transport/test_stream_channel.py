@@ -459,8 +459,8 @@ async def test_a_send_after_forget_queues_behind_what_the_forgotten_connection_h
     await peer.close()
 
 
-@on_both_loops
-async def test_close_cuts_a_forgotten_connection_to_a_peer_that_reads_nothing() -> None:
+async def filled_to_a_peer_that_reads_nothing() -> tuple[RawPeer, StreamChannel, str]:
+    """A started channel whose connection to a peer that reads nothing is full (64 MiB sent)."""
     peer = RawPeer()
     port = await peer.start(read=False)
     tx = StreamChannel("127.0.0.1", lambda m: None, codec=RAW, send_timeout_s=30.0)
@@ -469,6 +469,12 @@ async def test_close_cuts_a_forgotten_connection_to_a_peer_that_reads_nothing() 
     for _ in range(64):
         tx.send(endpoint, b"x" * 2**20)
     await until(lambda: tx._peers[endpoint].full, "the connection to fill")
+    return peer, tx, endpoint
+
+
+@on_both_loops
+async def test_close_cuts_a_forgotten_connection_to_a_peer_that_reads_nothing() -> None:
+    peer, tx, endpoint = await filled_to_a_peer_that_reads_nothing()
     tx.forget(endpoint)
     out = tx._finishing[endpoint]
     started = time.monotonic()
@@ -516,14 +522,7 @@ async def test_a_close_cut_by_a_cancel_all_while_it_flushes_is_finished_by_the_n
     """A cancel-all (the caller and the close's own task) while the close waits for a peer that reads
     nothing to take its backlog. Before, a second close returned at once (``_closed`` was set): the
     connections, the listening socket and the backlog stayed for good."""
-    peer = RawPeer()
-    port = await peer.start(read=False)
-    tx = StreamChannel("127.0.0.1", lambda m: None, codec=RAW, send_timeout_s=30.0)
-    await tx.start()
-    endpoint = f"stream://127.0.0.1:{port}"
-    for _ in range(64):
-        tx.send(endpoint, b"x" * 2**20)
-    await until(lambda: tx._peers[endpoint].full, "the connection to fill")
+    peer, tx, _ = await filled_to_a_peer_that_reads_nothing()
     caller = asyncio.ensure_future(tx.close(flush_s=30.0))
     await until(lambda: tx._closer.task is not None and not tx.reader_alive, "the close to wait on the flush")
     for _ in range(5):
