@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import InvalidArgument
+from ..errors import ClosedError, InvalidArgument
 from .actions import Scatter
 from .core import Core
 from .receiver import ReceiverRoom
@@ -216,7 +216,8 @@ class StagingRules(Core):
             raise ValueError(f"room {room.room} is not scattering ({room.state.name})")
         if error is not None:
             room.exception = error
-            log.error("room %d: copying its staged head slices failed: %s", room.room, error)
+            log.log(logging.INFO if isinstance(error, ClosedError) else logging.ERROR,  # (a cancel, not a fault)
+                    "room %d: copying its staged head slices failed: %s", room.room, error)
             room.move(Event.FAILED)
         else:
             room.move(Event.SCATTERED)

@@ -17,7 +17,7 @@ from ..proto.topology import PrefillInstance
 from ..transport.base import ControlPlane
 from .bootstrap import BootstrapClient
 from .decode_staging import SCATTER_INLINE_BYTES, DecodeStaging
-from .pump import Pump
+from .pump import Pump, wait_out
 from .receiver import KVReceiver
 
 __all__ = ["DecodeService", "ReceiverPump"]
@@ -125,8 +125,8 @@ class DecodeService(ReceiverPump):
                                    for part in a.slices), return_exceptions=True)
         try:
             results = await asyncio.shield(copying)
-        except asyncio.CancelledError:  # (close gave up waiting) the copies write our pages: let them end first
-            await asyncio.wait([copying])
+        except asyncio.CancelledError:  # (close gave up waiting, a cancel-all) the copies write our pages: they
+            await wait_out(copying)  # end first, the room's outcome after
             raise
         error = next((r for r in results if isinstance(r, BaseException)), None)
         self.feed("scattered", a.room, error)

@@ -17,7 +17,7 @@ from ..proto.prefill import PrefillCore
 from ..proto.sender import DecodePeer, PeerPhase, SenderRoom
 from ..transport.base import ControlPlane, DataPlane, Write
 from . import metrics
-from .pump import Pump
+from .pump import Pump, wait_out
 from .sender import KVSender
 from .writes import GATHER_INLINE_BYTES, WriteBuilder
 
@@ -92,8 +92,8 @@ class PrefillService(Pump):
             building = self.loop.run_in_executor(self._build_pool, self.builder.build, a)
             write: Write | None = await asyncio.shield(building)
             error: BaseException | None = None
-        except asyncio.CancelledError:  # (close) a thread cannot be stopped: wait until it no longer
-            await asyncio.wait([building])  # reads our KV, whose owner may free it once close returns
+        except asyncio.CancelledError:  # (close, a cancel-all) a thread cannot be stopped: wait until it no
+            await wait_out(building)  # longer reads our KV, whose owner may free it once close returns
             self.builder.release(a.post_id)
             raise
         except Exception as exc:
@@ -186,11 +186,11 @@ class PrefillService(Pump):
             async with self._connect_slots:  # FIFO: registrations connect in the order they came
                 if peer.phase is PeerPhase.DRAINING:  # dropped while it waited: build nothing
                     raise ClosedError(f"decode peer {peer.name[:8]} dropped before it connected")
-                adding = asyncio.ensure_future(asyncio.to_thread(self.builder.add_peer, peer))
-                try:
+                adding = self.loop.run_in_executor(None, self.builder.add_peer, peer)  # (a future: no cancel-all
+                try:  # reaches it)
                     rows = await asyncio.shield(adding)
                 except asyncio.CancelledError:  # the thread goes on: let it end, or its rows would be added
-                    await asyncio.wait([adding])  # after the answer for this cancel removed the peer's
+                    await wait_out(adding)  # after the answer for this cancel removed the peer's
                     raise
                 await self.data.connect_peer(peer.name, reg.agent_metadata, rows, reg.mem_kind)
                 del rows

@@ -97,6 +97,21 @@ class Outcome(Generic[T]):
                 self._waiters.remove(waiter)
 
 
+async def wait_out(work: asyncio.Future[Any]) -> None:
+    """Wait until ``work`` (a worker thread's) is done, through any number of cancels: a cancelled task whose
+    thread still uses our memory or tables must not end before it (its owed answer follows its end). A second
+    cancel-all used to cut that wait: staged bytes landed in pages whose room had failed, a build thread
+    outlived the close, a cancelled peer's rows came back after it was removed. Its error is retrieved (moot
+    now; asyncio logged it as never retrieved)."""
+    while not work.done():
+        try:
+            await asyncio.wait([work])
+        except asyncio.CancelledError:
+            continue
+    if not work.cancelled():
+        work.exception()
+
+
 class Pump:
     """Base of the prefill and decode services (one per ``KVManager``)."""
 
