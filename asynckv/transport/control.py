@@ -303,9 +303,7 @@ class ControlChannel(ChannelBase):
         self.stop_reader()  # (at once: not a round later, when the close's task first runs)
         await self._closer(flush_s)
 
-    async def _close(self, flush_s: float) -> None:
-        self._closed = True
-        self.stop_reader()
+    async def _close(self, flush_s: float) -> None:  # (after close(): reading stopped)
         drains = [p.drain for p in self._peers.values() if p.drain is not None]
         if drains:
             await asyncio.wait(drains, timeout=flush_s)

@@ -163,9 +163,7 @@ class StreamChannel(ChannelBase):
         self.stop_reader()  # (at once: not a round later, when the close's task first runs)
         await self._closer(flush_s)
 
-    async def _close(self, flush_s: float) -> None:
-        self._closed = True
-        self.stop_reader()
+    async def _close(self, flush_s: float) -> None:  # (after close(): reading stopped)
         outs = [*self._peers.values(), *self._transient.values(), *self._finishing.values()]
         for out in outs:  # (a connect a cancel-all cut left what waits with no connection: it goes now)
             out._ensure_connecting()

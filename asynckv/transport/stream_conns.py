@@ -234,8 +234,7 @@ class Outbound:
         conn = self.conn
         if conn is not None and conn.transport is not None and not self.full and not self.backlog \
                 and self._flush_due is None and not conn.transport.is_closing():
-            if not self._write_or_lost(conn, conn.transport, [data]):
-                return
+            self._write(conn.transport, [data])
             self._flush_due = asyncio.get_running_loop().call_soon(self._flush)
             return
         if len(self.backlog) >= MAX_BACKLOG:
@@ -246,20 +245,6 @@ class Outbound:
             self._ensure_connecting()
         elif not self.full and self._flush_due is None:
             self._flush_due = asyncio.get_running_loop().call_soon(self._flush)
-
-    def _write_or_lost(self, conn: Connection, transport: asyncio.Transport,
-                       items: list[bytes | tuple[bytes, bytes]]) -> bool:
-        """Write, or (False) take the connection as lost with ``items`` first in the backlog again. uvloop raises
-        on a transport closed under us with ``is_closing()`` still False and no ``connection_lost`` to follow (one
-        a cancelled ``create_connection`` closed, before ``_connect`` took connections only once it returned:
-        every later send raised, 2 runs in 3 after a cancel-all)."""
-        try:
-            self._write(transport, items)
-        except RuntimeError as exc:  # (nothing went: the first write raises, the transport's state is fixed)
-            self.backlog.extendleft(reversed(items))
-            self._lost(conn, exc)
-            return False
-        return True
 
     @staticmethod
     def _write(transport: asyncio.Transport, items: list[bytes | tuple[bytes, bytes]]) -> None:
@@ -385,8 +370,7 @@ class Outbound:
                 item = self.backlog.popleft()
                 items.append(item)
                 size += len(item[1]) if isinstance(item, tuple) else len(item)
-            if not self._write_or_lost(conn, conn.transport, items):
-                return
+            self._write(conn.transport, items)
         if self.finishing and not self.backlog:
             self.close()
 
